@@ -1,0 +1,60 @@
+package main
+
+import (
+	"fmt"
+	"sort"
+	"text/tabwriter"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/spf13/cobra"
+)
+
+func newInspectCmd() *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "inspect LAYOUT[:TAG]",
+		Short: "Show a snapshot's files, chunk counts and sizes",
+		Long: `Inspect reads a snapshot's index and chunk tables (not its chunks) and
+prints its metadata and, per file, the size, chunk counts by encoding
+(zero/raw/zstd) and the bytes stored for it.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			store, desc, err := openLayout(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			sum, err := format.Inspect(ctx, store, desc)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), sum)
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "snapshot  %s\n", sum.Digest)
+			keys := make([]string, 0, len(sum.Annotations))
+			for k := range sum.Annotations {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			for _, k := range keys {
+				fmt.Fprintf(w, "  %s: %s\n", k, sum.Annotations[k])
+			}
+			c := sum.Chunks
+			fmt.Fprintf(w, "files     %d, %s logical\n", len(sum.Files), humanBytes(sum.LogicalBytes))
+			fmt.Fprintf(w, "chunks    %d: %d zero (%s), %d raw (%s), %d zstd (%s)\n", c.Total(),
+				c.Zero, humanBytes(c.ZeroBytes), c.Raw, humanBytes(c.RawBytes), c.Zstd, humanBytes(c.ZstdBytes))
+			fmt.Fprintf(w, "stored    %s in %d blobs (%s of logical)\n\n", humanBytes(sum.StoredBytes), sum.Blobs, percent(sum.StoredBytes, sum.LogicalBytes))
+			tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "PATH\tSIZE\tMODE\tPARTS\tCHUNKS\tZERO\tRAW\tZSTD\tSTORED")
+			for _, f := range sum.Files {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\n", f.Path, humanBytes(f.Size), f.Mode, f.Parts,
+					f.Chunks.Total(), f.Chunks.Zero, f.Chunks.Raw, f.Chunks.Zstd, humanBytes(f.StoredBytes))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the summary as JSON")
+	return cmd
+}

@@ -1,0 +1,42 @@
+// Command cryo moves gVisor checkpoints as chunked, deduplicated OCI
+// artifacts: it packs an image dir into an OCI layout, unpacks, verifies and
+// inspects snapshots.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := newRootCmd().ExecuteContext(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "cryo:", err)
+		os.Exit(1)
+	}
+}
+
+func newRootCmd() *cobra.Command {
+	root := &cobra.Command{
+		Use:   "cryo",
+		Short: "Ship gVisor checkpoints as chunked, deduplicated OCI artifacts",
+		Long: `cryo turns a gVisor checkpoint image dir (runsc checkpoint --image-path)
+into an OCI artifact: each file is cut into page-aligned, content-defined
+chunks, all-zero chunks are stored as nothing, the rest zstd-compressed when
+that pays, all content-addressed so that snapshots share what they have in
+common. See SPEC.md for the format.
+
+A LAYOUT argument is an OCI image layout directory, optionally followed by
+:TAG (default "latest") or @DIGEST.`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newPackCmd(), newUnpackCmd(), newVerifyCmd(), newInspectCmd())
+	return root
+}

@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/content"
+	"oras.land/oras-go/v2/content/oci"
+)
+
+// defaultTag is the tag used when a reference names none.
+const defaultTag = "latest"
+
+// layoutRef is an OCI layout dir and a tag or digest in it.
+type layoutRef struct {
+	dir       string
+	reference string // tag or digest
+}
+
+// parseLayoutRef splits "DIR[:TAG|@DIGEST]". A DIR that exists as given is
+// taken whole, so paths holding ':' still work.
+func parseLayoutRef(s string) layoutRef {
+	if i := strings.LastIndex(s, "@"); i > 0 {
+		if _, err := digest.Parse(s[i+1:]); err == nil {
+			return layoutRef{dir: s[:i], reference: s[i+1:]}
+		}
+	}
+	if _, err := os.Stat(s); err == nil {
+		return layoutRef{dir: s, reference: defaultTag}
+	}
+	if i := strings.LastIndex(s, ":"); i > 0 && !strings.Contains(s[i+1:], "/") {
+		return layoutRef{dir: s[:i], reference: s[i+1:]}
+	}
+	return layoutRef{dir: s, reference: defaultTag}
+}
+
+func (r layoutRef) String() string {
+	if strings.Contains(r.reference, ":") {
+		return r.dir + "@" + r.reference
+	}
+	return r.dir + ":" + r.reference
+}
+
+// openLayout opens an existing OCI layout read-only and resolves the ref.
+func openLayout(ctx context.Context, arg string) (content.ReadOnlyStorage, ocispec.Descriptor, error) {
+	ref := parseLayoutRef(arg)
+	if _, err := os.Stat(ref.dir + "/oci-layout"); err != nil {
+		return nil, ocispec.Descriptor{}, fmt.Errorf("%s is not an OCI image layout: %w", ref.dir, err)
+	}
+	store, err := oci.NewFromFS(ctx, os.DirFS(ref.dir))
+	if err != nil {
+		return nil, ocispec.Descriptor{}, fmt.Errorf("open layout %s: %w", ref.dir, err)
+	}
+	desc, err := store.Resolve(ctx, ref.reference)
+	if err != nil {
+		return nil, ocispec.Descriptor{}, fmt.Errorf("resolve %s: %w", ref, err)
+	}
+	return store, desc, nil
+}

@@ -1,0 +1,144 @@
+package format
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"runtime"
+	"slices"
+
+	"github.com/klauspost/compress/zstd"
+	"github.com/opencontainers/go-digest"
+)
+
+// ZstdLevel is the zstd level cryo writes chunks with. It is part of the
+// encoder options that must stay fixed for blob digests to be reproducible.
+const ZstdLevel = zstd.SpeedFastest
+
+// Codec encodes chunks for storage and decodes and verifies them. A Codec is
+// safe for concurrent use; make one and share it.
+type Codec struct {
+	enc *zstd.Encoder
+	dec *zstd.Decoder
+}
+
+// NewCodec returns a Codec that runs at most concurrency zstd encoders and
+// decoders at once (GOMAXPROCS if concurrency <= 0).
+func NewCodec(concurrency int) (*Codec, error) {
+	if concurrency <= 0 {
+		concurrency = runtime.GOMAXPROCS(0)
+	}
+	// Fixed options: the same input gives the same blob with the same
+	// library version. No padding (it is random), no CRC (the sha256 of the
+	// uncompressed bytes is checked instead).
+	enc, err := zstd.NewWriter(nil,
+		zstd.WithEncoderLevel(ZstdLevel),
+		zstd.WithEncoderConcurrency(concurrency),
+		zstd.WithEncoderCRC(false),
+		zstd.WithZeroFrames(true),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("zstd encoder: %w", err)
+	}
+	// WithDecoderMaxMemory bounds what one frame may decode to: a blob that
+	// claims to be a chunk cannot expand beyond the largest chunk (bomb).
+	dec, err := zstd.NewReader(nil,
+		zstd.WithDecoderConcurrency(concurrency),
+		zstd.WithDecoderMaxMemory(MaxChunkSize),
+		zstd.WithDecoderMaxWindow(MaxChunkSize),
+	)
+	if err != nil {
+		enc.Close()
+		return nil, fmt.Errorf("zstd decoder: %w", err)
+	}
+	return &Codec{enc: enc, dec: dec}, nil
+}
+
+// Close releases the codec's encoders and decoders.
+func (c *Codec) Close() {
+	c.enc.Close()
+	c.dec.Close()
+}
+
+// Encode chooses the encoding of data and returns its table entry (without
+// Offset) and the blob to store, which is nil for zero chunks and data itself
+// for raw chunks. dst is reused for the compressed form when large enough.
+func (c *Codec) Encode(data, dst []byte) (Chunk, []byte) {
+	if isZero(data) {
+		return Chunk{Size: int64(len(data)), Encoding: EncodingZero}, nil
+	}
+	d := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(data))
+	raw := Chunk{Size: int64(len(data)), Encoding: EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}
+	z := c.enc.EncodeAll(data, dst[:0])
+	// Keep the compressed form only if it saves more than 1/8 (12.5%), as
+	// CRIU does: below that, decompression costs more than the bytes saved.
+	if len(z) >= len(data)-len(data)/8 {
+		return raw, data
+	}
+	bd := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(z))
+	return Chunk{Size: int64(len(data)), Encoding: EncodingZstd, Digest: d, Blob: bd, BlobSize: int64(len(z))}, z
+}
+
+// Decode turns a chunk's blob back into its bytes, appended to dst[:0], and
+// verifies their size and sha256 against the table entry. A zero chunk needs
+// no blob. Nothing is returned that was not verified.
+func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
+	var out []byte
+	switch ch.Encoding {
+	case EncodingZero:
+		if ch.Size > MaxChunkSize {
+			return nil, fmt.Errorf("zero chunk at offset %d: size %d: %w", ch.Offset, ch.Size, ErrTooLarge)
+		}
+		out = slices.Grow(dst[:0], int(ch.Size))[:ch.Size]
+		clear(out)
+		return out, nil
+	case EncodingRaw:
+		if int64(len(blob)) != ch.Size {
+			return nil, fmt.Errorf("chunk %s: raw blob has %d bytes, want %d: %w", ch.Digest, len(blob), ch.Size, ErrDigestMismatch)
+		}
+		out = append(dst[:0], blob...)
+	case EncodingZstd:
+		if int64(len(blob)) != ch.BlobSize {
+			return nil, fmt.Errorf("chunk %s: zstd blob %s has %d bytes, want %d: %w", ch.Digest, ch.Blob, len(blob), ch.BlobSize, ErrDigestMismatch)
+		}
+		if ch.Size > MaxChunkSize {
+			return nil, fmt.Errorf("chunk %s: size %d: %w", ch.Digest, ch.Size, ErrTooLarge)
+		}
+		var err error
+		out, err = c.dec.DecodeAll(blob, dst[:0])
+		if errors.Is(err, zstd.ErrDecoderSizeExceeded) || int64(len(out)) > ch.Size {
+			return nil, fmt.Errorf("chunk %s: zstd blob %s decompresses to more than its %d bytes: %w", ch.Digest, ch.Blob, ch.Size, ErrTooLarge)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("chunk %s: decompress blob %s: %v: %w", ch.Digest, ch.Blob, err, ErrDigestMismatch)
+		}
+		if int64(len(out)) != ch.Size {
+			return nil, fmt.Errorf("chunk %s: blob %s decompresses to %d bytes, want %d: %w", ch.Digest, ch.Blob, len(out), ch.Size, ErrDigestMismatch)
+		}
+	default:
+		return nil, fmt.Errorf("chunk at offset %d: unknown encoding %q: %w", ch.Offset, ch.Encoding, ErrInvalid)
+	}
+	if got := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(out)); got != ch.Digest {
+		return nil, fmt.Errorf("chunk %s: content hashes to %s: %w", ch.Digest, got, ErrDigestMismatch)
+	}
+	return out, nil
+}
+
+func hexSHA256(b []byte) string {
+	sum := sha256.Sum256(b)
+	return fmt.Sprintf("%x", sum[:])
+}
+
+// isZero reports whether b holds only zero bytes.
+func isZero(b []byte) bool {
+	for len(b) >= len(zeroPage) {
+		if string(b[:len(zeroPage)]) != string(zeroPage[:]) {
+			return false
+		}
+		b = b[len(zeroPage):]
+	}
+	return string(b) == string(zeroPage[:len(b)])
+}
+
+// zeroPage is compared against, never written.
+var zeroPage [4096]byte

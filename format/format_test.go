@@ -1,0 +1,396 @@
+package format
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/format/chunker"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/content/memory"
+	"oras.land/oras-go/v2/content/oci"
+)
+
+// fakeCheckpoint returns a checkpoint.img with a gVisor state file header.
+func fakeCheckpoint(md map[string]string, body string) []byte {
+	js, _ := json.Marshal(md)
+	var b bytes.Buffer
+	b.WriteString("gVisorSF")
+	binary.Write(&b, binary.BigEndian, uint64(len(js)))
+	b.Write(js)
+	b.WriteString(body)
+	return b.Bytes()
+}
+
+func randBytes(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, 7))
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	return b
+}
+
+// textLike returns n bytes of words that zstd compresses about 2x-4x.
+func textLike(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, 9))
+	words := []string{"sandbox", "restore", "page", "memory", "gvisor", "chunk", "zstd", "registry", "node", "cache", "the", "a", "of"}
+	var b bytes.Buffer
+	for b.Len() < n {
+		b.WriteString(words[r.IntN(len(words))])
+		b.WriteByte(" \n"[r.IntN(2)])
+		fmt.Fprintf(&b, "%d ", r.IntN(100000))
+	}
+	return b.Bytes()[:n]
+}
+
+// makeImageDir writes a small checkpoint-like image dir and returns it.
+func makeImageDir(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	pages := bytes.Join([][]byte{
+		make([]byte, 1<<20), // zero pages
+		randBytes(1, 3<<20), // incompressible
+		textLike(2, 2<<20),  // compressible
+		make([]byte, 512<<10),
+		randBytes(3, 100<<10+17), // unaligned tail
+	}, nil)
+	files := map[string][]byte{
+		"checkpoint.img": fakeCheckpoint(map[string]string{"runsc_version": "release-20260905.0", "_timestamp": "2026-11-30 05:12:34.123456789 +0000 UTC", "container_count": "1"}, "state"),
+		"pages_meta.img": []byte("meta"),
+		"pages.img":      pages,
+		"fs/empty":       nil,
+		"fs/sub/x.img":   textLike(4, 5000),
+	}
+	for name, data := range files {
+		p := filepath.Join(dir, filepath.FromSlash(name))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, data, 0o640); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+func packToLayout(t *testing.T, dir string, opts PackOptions) (*oci.Store, ocispec.Descriptor, *PackStats) {
+	t.Helper()
+	store, err := oci.New(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, st, err := Pack(context.Background(), dir, store, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return store, desc, st
+}
+
+// compareDirs fails unless b holds exactly a's regular files, bytes and modes.
+func compareDirs(t *testing.T, a, b string) {
+	t.Helper()
+	list := func(root string) map[string]string {
+		out := map[string]string{}
+		filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Type().IsRegular() {
+				data, err := os.ReadFile(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				info, _ := d.Info()
+				rel, _ := filepath.Rel(root, p)
+				out[rel] = fmt.Sprintf("%x %v", sha256.Sum256(data), info.Mode().Perm())
+			}
+			return nil
+		})
+		return out
+	}
+	la, lb := list(a), list(b)
+	if len(la) != len(lb) {
+		t.Fatalf("%d files in source, %d unpacked", len(la), len(lb))
+	}
+	for k, v := range la {
+		if lb[k] != v {
+			t.Errorf("%s: source %s, unpacked %q", k, v, lb[k])
+		}
+	}
+}
+
+func TestPackUnpackRoundTrip(t *testing.T) {
+	ctx := context.Background()
+	src := makeImageDir(t)
+	store, desc, st := packToLayout(t, src, PackOptions{})
+	if st.Chunks[EncodingZero] == 0 || st.Chunks[EncodingRaw] == 0 || st.Chunks[EncodingZstd] == 0 {
+		t.Errorf("want all three encodings, got %v", st.Chunks)
+	}
+	if st.StoredBytes >= st.LogicalBytes {
+		t.Errorf("stored %d bytes for %d logical", st.StoredBytes, st.LogicalBytes)
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	snap, err := Unpack(ctx, store, desc, out, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	compareDirs(t, src, out)
+	if snap.RunscVersion() != "release-20260905.0" {
+		t.Errorf("runsc version %q", snap.RunscVersion())
+	}
+	if snap.Created() != "2026-11-30T05:12:34.123456789Z" {
+		t.Errorf("created %q, want the checkpoint's timestamp", snap.Created())
+	}
+	if _, vs, err := Verify(ctx, store, desc, 2); err != nil || vs.Files != 5 {
+		t.Fatalf("verify: %v %+v", err, vs)
+	}
+	// Unpacking into a non-empty dir is refused and leaves it alone.
+	if _, err := Unpack(ctx, store, desc, out, 4); !errors.Is(err, fs.ErrExist) {
+		t.Fatalf("unpack over a non-empty dir: %v", err)
+	}
+}
+
+func TestPackIsDeterministic(t *testing.T) {
+	src := makeImageDir(t)
+	_, d1, _ := packToLayout(t, src, PackOptions{})
+	_, d2, _ := packToLayout(t, src, PackOptions{Concurrency: 1})
+	if d1.Digest != d2.Digest {
+		t.Fatalf("two packs of one dir: %s and %s", d1.Digest, d2.Digest)
+	}
+	created := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	store, d3, _ := packToLayout(t, src, PackOptions{Created: created})
+	if d3.Digest == d1.Digest {
+		t.Fatal("creation time did not change the index")
+	}
+	snap, err := LoadSnapshot(context.Background(), store, d3)
+	if err != nil || snap.Created() != "2026-01-02T03:04:05Z" {
+		t.Fatalf("created %q, %v", snap.Created(), err)
+	}
+}
+
+func TestPackSkipsBlobsTheStoreHas(t *testing.T) {
+	src := makeImageDir(t)
+	store := memory.New()
+	ctx := context.Background()
+	_, st1, err := Pack(ctx, src, store, PackOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, st2, err := Pack(ctx, src, store, PackOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st1.BlobsUploaded == 0 || st2.BlobsUploaded != 0 || st2.UploadedBytes != 0 || st2.BlobsSkipped != st1.BlobsUploaded {
+		t.Fatalf("first pack %+v, second %+v", st1, st2)
+	}
+}
+
+func TestSplitsLargeFilesIntoParts(t *testing.T) {
+	dir := t.TempDir()
+	// 4096+100 chunks of 4 KiB: two parts.
+	data := randBytes(5, (MaxChunksPerPart+100)*4096)
+	os.WriteFile(filepath.Join(dir, "pages.img"), data, 0o644)
+	store, desc, _ := packToLayout(t, dir, PackOptions{Chunking: chunker.FixedSize(4096)})
+	snap, err := LoadSnapshot(context.Background(), store, desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := snap.File("pages.img")
+	if f == nil || len(f.Parts) != 2 || f.Parts[1].Offset != MaxChunksPerPart*4096 {
+		t.Fatalf("parts: %+v", f)
+	}
+	// Random access: byte ranges map to the right part and chunks.
+	for _, off := range []int64{0, 4095, 4096, MaxChunksPerPart*4096 - 1, MaxChunksPerPart * 4096, int64(len(data)) - 1} {
+		pi := f.PartAt(off)
+		pt, err := LoadPart(context.Background(), store, f, pi)
+		if err != nil {
+			t.Fatal(err)
+		}
+		i, j := pt.Table.Locate(off, 1)
+		if j-i != 1 || pt.Table.Chunks[i].Offset > off || pt.Table.Chunks[i].End() <= off {
+			t.Fatalf("offset %d: part %d chunks [%d,%d)", off, pi, i, j)
+		}
+	}
+	if f.PartAt(int64(len(data))) != -1 || f.PartAt(-1) != -1 {
+		t.Fatal("PartAt outside the file")
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := Unpack(context.Background(), store, desc, out, 2); err != nil {
+		t.Fatal(err)
+	}
+	compareDirs(t, dir, out)
+}
+
+func TestLocate(t *testing.T) {
+	tab := &Table{Chunks: []Chunk{{Offset: 0, Size: 10}, {Offset: 10, Size: 5}, {Offset: 15, Size: 20}}}
+	cases := []struct {
+		off, n      int64
+		first, last int
+	}{
+		{0, 1, 0, 1}, {9, 2, 0, 2}, {10, 5, 1, 2}, {14, 100, 1, 3}, {35, 1, 3, 3}, {0, 35, 0, 3}, {12, 0, 1, 1},
+	}
+	for _, c := range cases {
+		i, j := tab.Locate(c.off, c.n)
+		if i != c.first || j != c.last {
+			t.Errorf("Locate(%d,%d) = [%d,%d), want [%d,%d)", c.off, c.n, i, j, c.first, c.last)
+		}
+	}
+}
+
+func TestPackRefusesBadDirs(t *testing.T) {
+	ctx := context.Background()
+	cases := map[string]func(dir string) string{
+		"missing":   func(dir string) string { return filepath.Join(dir, "nope") },
+		"not a dir": func(dir string) string { p := filepath.Join(dir, "f"); os.WriteFile(p, nil, 0o644); return p },
+		"empty":     func(dir string) string { return dir },
+		"symlink": func(dir string) string {
+			os.WriteFile(filepath.Join(dir, "a"), nil, 0o644)
+			os.Symlink("/etc/passwd", filepath.Join(dir, "b"))
+			return dir
+		},
+		"fifo":      func(dir string) string { mkfifo(t, filepath.Join(dir, "p")); return dir },
+		"backslash": func(dir string) string { os.WriteFile(filepath.Join(dir, `a\b`), nil, 0o644); return dir },
+		"unreadable": func(dir string) string {
+			os.WriteFile(filepath.Join(dir, "a"), nil, 0o000)
+			return unreadableUnlessRoot(t, dir)
+		},
+	}
+	for name, mk := range cases {
+		t.Run(name, func(t *testing.T) {
+			dir := mk(t.TempDir())
+			if dir == "" {
+				t.Skip("running as root: every file is readable")
+			}
+			store := memory.New()
+			if _, _, err := Pack(ctx, dir, store, PackOptions{}); err == nil {
+				t.Fatal("want an error")
+			} else {
+				t.Log(err)
+			}
+		})
+	}
+}
+
+func unreadableUnlessRoot(t *testing.T, dir string) string {
+	if os.Geteuid() == 0 {
+		return ""
+	}
+	return dir
+}
+
+func TestDecodeRefusesBadBlobs(t *testing.T) {
+	codec, err := NewCodec(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer codec.Close()
+	text := textLike(1, 1<<20)
+	c, blob := codec.Encode(text, nil)
+	if c.Encoding != EncodingZstd {
+		t.Fatalf("text-like chunk stored as %s", c.Encoding)
+	}
+	if out, err := codec.Decode(c, blob, nil); err != nil || !bytes.Equal(out, text) {
+		t.Fatalf("decode: %v", err)
+	}
+	rnd := randBytes(1, 1<<20)
+	rc, rblob := codec.Encode(rnd, nil)
+	if rc.Encoding != EncodingRaw || !bytes.Equal(rblob, rnd) {
+		t.Fatalf("random chunk stored as %s", rc.Encoding)
+	}
+	// A bomb: 16 MiB+ of zeros compresses to a few hundred bytes.
+	bombData := make([]byte, MaxChunkSize+4096)
+	bombData[0] = 1
+	bomb := codec.enc.EncodeAll(bombData, nil)
+	corrupt := bytes.Clone(blob)
+	corrupt[len(corrupt)/2] ^= 0xff
+	wrongSize := c
+	wrongSize.Size = c.Size - 1
+	cases := map[string]struct {
+		c    Chunk
+		blob []byte
+		want error
+	}{
+		"bomb":            {Chunk{Size: 4096, Encoding: EncodingZstd, Digest: c.Digest, Blob: c.Blob, BlobSize: int64(len(bomb))}, bomb, ErrTooLarge},
+		"corrupt zstd":    {c, corrupt, ErrDigestMismatch},
+		"truncated zstd":  {Chunk{Size: c.Size, Encoding: EncodingZstd, Digest: c.Digest, BlobSize: c.BlobSize - 10}, blob[:len(blob)-10], ErrDigestMismatch},
+		"short raw":       {rc, rblob[:100], ErrDigestMismatch},
+		"flipped raw":     {rc, append([]byte{rblob[0] ^ 1}, rblob[1:]...), ErrDigestMismatch},
+		"wrong size":      {wrongSize, blob, ErrTooLarge},
+		"unknown":         {Chunk{Size: 1, Encoding: "lz4"}, []byte{1}, ErrInvalid},
+		"zero over limit": {Chunk{Size: MaxChunkSize + 1, Encoding: EncodingZero}, nil, ErrTooLarge},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := codec.Decode(tc.c, tc.blob, nil)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("got %v, want %v", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestParseTableRefusesBadTables(t *testing.T) {
+	d := "sha256:" + strings.Repeat("ab", 32)
+	e := "sha256:" + strings.Repeat("cd", 32)
+	good := func() map[string]any {
+		return map[string]any{
+			"path": "pages.img", "size": 30, "mode": 0o644, "digest": d, "part": 0, "parts": 1, "offset": 0, "length": 30,
+			"chunks": []map[string]any{
+				{"offset": 0, "size": 10, "encoding": "zero"},
+				{"offset": 10, "size": 10, "encoding": "raw", "digest": d, "blob": d, "blobSize": 10},
+				{"offset": 20, "size": 10, "encoding": "zstd", "digest": d, "blob": e, "blobSize": 5},
+			},
+		}
+	}
+	enc := func(m map[string]any) []byte { b, _ := json.Marshal(m); return b }
+	if _, err := ParseTable(enc(good())); err != nil {
+		t.Fatalf("good table: %v", err)
+	}
+	chunk := func(m map[string]any, i int) map[string]any { return m["chunks"].([]map[string]any)[i] }
+	cases := map[string]func(m map[string]any){
+		"overlap":          func(m map[string]any) { chunk(m, 1)["offset"] = 5 },
+		"gap":              func(m map[string]any) { chunk(m, 1)["offset"] = 12 },
+		"past end":         func(m map[string]any) { chunk(m, 2)["size"] = 20 },
+		"short":            func(m map[string]any) { m["length"] = 40; m["size"] = 40 },
+		"unknown encoding": func(m map[string]any) { chunk(m, 1)["encoding"] = "lz4" },
+		"zero with blob":   func(m map[string]any) { chunk(m, 0)["blob"] = d },
+		"raw blob differs": func(m map[string]any) { chunk(m, 1)["blob"] = e },
+		"zstd grows":       func(m map[string]any) { chunk(m, 2)["blobSize"] = 11 },
+		"bad digest":       func(m map[string]any) { chunk(m, 1)["digest"] = "sha256:xyz"; chunk(m, 1)["blob"] = "sha256:xyz" },
+		"md5 digest":       func(m map[string]any) { m["digest"] = "md5:" + strings.Repeat("a", 32) },
+		"traversal":        func(m map[string]any) { m["path"] = "../etc/passwd" },
+		"absolute":         func(m map[string]any) { m["path"] = "/etc/passwd" },
+		"dot":              func(m map[string]any) { m["path"] = "a/./b" },
+		"part range":       func(m map[string]any) { m["part"] = 1 },
+		"mode bits":        func(m map[string]any) { m["mode"] = 0o100644 },
+		"huge chunk":       func(m map[string]any) { chunk(m, 0)["size"] = MaxChunkSize + 1 },
+		"negative size":    func(m map[string]any) { chunk(m, 0)["size"] = -10 },
+	}
+	for name, mutate := range cases {
+		t.Run(name, func(t *testing.T) {
+			m := good()
+			mutate(m)
+			if _, err := ParseTable(enc(m)); !errors.Is(err, ErrInvalid) {
+				t.Fatalf("got %v, want ErrInvalid", err)
+			}
+		})
+	}
+	if _, err := ParseTable(append(enc(good()), []byte("{}")...)); !errors.Is(err, ErrInvalid) {
+		t.Errorf("trailing data: %v", err)
+	}
+	if _, err := ParseTable(make([]byte, MaxTableSize+1)); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("oversized table: %v", err)
+	}
+}

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs what cryo's tests need on a fresh machine (Debian, root, Go):
+#   - fuse3 and python3 from apt (apt-get update runs once, only if a
+#     package is missing),
+#   - bin/oras: the oras CLI at ORAS_VERSION,
+#   - bin/runsc: built from the gVisor version pinned in conformance/gvisor
+#     by scripts/build-runsc.sh, rebuilt when bin/.runsc.stamp is stale.
+# Idempotent: a second run only checks. bin/ is git-ignored.
+set -euo pipefail
+
+ORAS_VERSION=1.3.6
+APT_PACKAGES=(fuse3 python3)
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BIN="$REPO/bin"
+
+say() { echo "install-test-deps: $*"; }
+
+# --- apt packages -----------------------------------------------------------
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+	if dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
+		say "$pkg: installed"
+	else
+		missing+=("$pkg")
+	fi
+done
+if ((${#missing[@]})); then
+	SUDO=()
+	if [[ $(id -u) -ne 0 ]]; then SUDO=(sudo); fi
+	say "apt-get update (missing: ${missing[*]})"
+	"${SUDO[@]}" apt-get update -qq
+	say "apt-get install ${missing[*]}"
+	DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+mkdir -p "$BIN"
+
+# --- oras -------------------------------------------------------------------
+oras_version() { "$BIN/oras" version 2>/dev/null | awk '$1 == "Version:" {print $2}'; }
+have=$(oras_version || true)
+if [[ "$have" == "$ORAS_VERSION" || "$have" == "$ORAS_VERSION+"* ]]; then
+	say "bin/oras: $have"
+else
+	say "go install oras.land/oras/cmd/oras@v$ORAS_VERSION into bin/ (have: ${have:-none})"
+	GOBIN="$BIN" go install "oras.land/oras/cmd/oras@v$ORAS_VERSION"
+	say "bin/oras: $(oras_version)"
+fi
+
+# --- runsc ------------------------------------------------------------------
+want=$("$REPO/scripts/build-runsc.sh" --stamp)
+have=$(cat "$BIN/.runsc.stamp" 2>/dev/null || true)
+if [[ -x "$BIN/runsc" && "$have" == "$want" ]]; then
+	say "bin/runsc: $("$BIN/runsc" --version | head -n1) (up to date)"
+else
+	say "building bin/runsc (stamp ${have:-none} != $want)"
+	"$REPO/scripts/build-runsc.sh"
+fi
