@@ -203,11 +203,12 @@ func ValidatePath(p string) error {
 }
 
 func validSHA256(d digest.Digest) error {
-	if d.Algorithm() != digest.SHA256 {
-		return fmt.Errorf("digest %q is not sha256", d)
-	}
+	// Validate first: Algorithm panics on a digest without a separator.
 	if err := d.Validate(); err != nil {
 		return fmt.Errorf("digest %q: %v", d, err)
+	}
+	if d.Algorithm() != digest.SHA256 {
+		return fmt.Errorf("digest %q is not sha256", d)
 	}
 	return nil
 }

@@ -47,6 +47,14 @@ else
 	say "bin/oras: $(oras_version)"
 fi
 
+# --- staticcheck ------------------------------------------------------------
+if [[ -x "$BIN/staticcheck" ]] && "$BIN/staticcheck" -version 2>/dev/null | grep -q "v0.8.2"; then
+	say "bin/staticcheck: $("$BIN/staticcheck" -version)"
+else
+	say "go install honnef.co/go/tools/cmd/staticcheck@v0.8.2 into bin/"
+	GOBIN="$BIN" go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
+fi
+
 # --- runsc ------------------------------------------------------------------
 want=$("$REPO/scripts/build-runsc.sh" --stamp)
 have=$(cat "$BIN/.runsc.stamp" 2>/dev/null || true)

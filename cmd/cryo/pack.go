@@ -6,15 +6,15 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/format/chunker"
-	"github.com/spf13/cobra"
 	"github.com/cryo-oci/cryo/format/layout"
+	"github.com/spf13/cobra"
 )
 
 func newPackCmd() *cobra.Command {
 	var (
 		layoutDir, tag, created, chunking string
-		avg, concurrency               int
-		asJSON                         bool
+		avg, concurrency                  int
+		asJSON                            bool
 	)
 	cmd := &cobra.Command{
 		Use:   "pack DIR --layout OUT [--tag TAG]",
