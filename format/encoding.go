@@ -60,15 +60,21 @@ func (c *Codec) Close() {
 	c.dec.Close()
 }
 
-// Encode chooses the encoding of data and returns its table entry (without
-// Offset) and the blob to store, which is nil for zero chunks and data itself
-// for raw chunks. dst is reused for the compressed form when large enough.
-func (c *Codec) Encode(data, dst []byte) (Chunk, []byte) {
+// Identify returns the table entry (without Offset) of an all-zero chunk,
+// or a raw entry with the chunk's digest.
+func (c *Codec) Identify(data []byte) Chunk {
 	if isZero(data) {
-		return Chunk{Size: int64(len(data)), Encoding: EncodingZero}, nil
+		return Chunk{Size: int64(len(data)), Encoding: EncodingZero}
 	}
 	d := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(data))
-	raw := Chunk{Size: int64(len(data)), Encoding: EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}
+	return Chunk{Size: int64(len(data)), Encoding: EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}
+}
+
+// Compress takes the raw entry Identify returned for data and chooses
+// between raw and zstd. It returns the final entry and the blob to store:
+// data itself for raw chunks, else the compressed form, written into dst
+// when it is large enough.
+func (c *Codec) Compress(raw Chunk, data, dst []byte) (Chunk, []byte) {
 	z := c.enc.EncodeAll(data, dst[:0])
 	// Keep the compressed form only if it saves more than 1/8 (12.5%), as
 	// CRIU does: below that, decompression costs more than the bytes saved.
@@ -76,7 +82,18 @@ func (c *Codec) Encode(data, dst []byte) (Chunk, []byte) {
 		return raw, data
 	}
 	bd := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(z))
-	return Chunk{Size: int64(len(data)), Encoding: EncodingZstd, Digest: d, Blob: bd, BlobSize: int64(len(z))}, z
+	return Chunk{Size: raw.Size, Encoding: EncodingZstd, Digest: raw.Digest, Blob: bd, BlobSize: int64(len(z))}, z
+}
+
+// Encode chooses the encoding of data and returns its table entry (without
+// Offset) and the blob to store, which is nil for zero chunks and data itself
+// for raw chunks. dst is reused for the compressed form when large enough.
+func (c *Codec) Encode(data, dst []byte) (Chunk, []byte) {
+	ch := c.Identify(data)
+	if ch.Encoding == EncodingZero {
+		return ch, nil
+	}
+	return c.Compress(ch, data, dst)
 }
 
 // Decode turns a chunk's blob back into its bytes, appended to dst[:0], and

@@ -8,16 +8,19 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/cryo-oci/cryo/format/chunker"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/content/memory"
 	"oras.land/oras-go/v2/content/oci"
 )
@@ -142,7 +145,7 @@ func TestPackUnpackRoundTrip(t *testing.T) {
 		t.Errorf("stored %d bytes for %d logical", st.StoredBytes, st.LogicalBytes)
 	}
 	out := filepath.Join(t.TempDir(), "out")
-	snap, err := Unpack(ctx, store, desc, out, 4)
+	snap, _, err := Unpack(ctx, store, desc, out, UnpackOptions{Concurrency: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,7 +160,7 @@ func TestPackUnpackRoundTrip(t *testing.T) {
 		t.Fatalf("verify: %v %+v", err, vs)
 	}
 	// Unpacking into a non-empty dir is refused and leaves it alone.
-	if _, err := Unpack(ctx, store, desc, out, 4); !errors.Is(err, fs.ErrExist) {
+	if _, _, err := Unpack(ctx, store, desc, out, UnpackOptions{}); !errors.Is(err, fs.ErrExist) {
 		t.Fatalf("unpack over a non-empty dir: %v", err)
 	}
 }
@@ -227,7 +230,7 @@ func TestSplitsLargeFilesIntoParts(t *testing.T) {
 		t.Fatal("PartAt outside the file")
 	}
 	out := filepath.Join(t.TempDir(), "out")
-	if _, err := Unpack(context.Background(), store, desc, out, 2); err != nil {
+	if _, _, err := Unpack(context.Background(), store, desc, out, UnpackOptions{Concurrency: 2}); err != nil {
 		t.Fatal(err)
 	}
 	compareDirs(t, dir, out)
@@ -392,5 +395,95 @@ func TestParseTableRefusesBadTables(t *testing.T) {
 	}
 	if _, err := ParseTable(make([]byte, MaxTableSize+1)); !errors.Is(err, ErrTooLarge) {
 		t.Errorf("oversized table: %v", err)
+	}
+}
+
+// failingFetcher fails every fetch of a chunk blob after the first n.
+type failingFetcher struct {
+	content.Fetcher
+	mu sync.Mutex
+	n  int
+}
+
+func (f *failingFetcher) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
+	if desc.MediaType == MediaTypeChunkRaw || desc.MediaType == MediaTypeChunkZstd {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if f.n <= 0 {
+			return nil, errors.New("connection reset")
+		}
+		f.n--
+	}
+	return f.Fetcher.Fetch(ctx, desc)
+}
+
+func TestUnpackResumesAfterInterruption(t *testing.T) {
+	ctx := context.Background()
+	src := makeImageDir(t)
+	store, desc, _ := packToLayout(t, src, PackOptions{Chunking: chunker.DefaultPageCDC(64 << 10)})
+	out := filepath.Join(t.TempDir(), "out")
+	_, _, err := Unpack(ctx, &failingFetcher{Fetcher: store, n: 30}, desc, out, UnpackOptions{Concurrency: 1})
+	if err == nil {
+		t.Fatal("want the interrupted unpack to fail")
+	}
+	if _, err := os.Stat(out); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("an interrupted unpack left %s: %v", out, err)
+	}
+	// Corrupt a byte the first run wrote: that chunk must be fetched again.
+	partial := PartialDir(out)
+	pf, err := os.OpenFile(filepath.Join(partial, "pages.img"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pf.WriteAt([]byte{0xff}, 1<<20+5)
+	pf.Close()
+	_, st, err := Unpack(ctx, store, desc, out, UnpackOptions{Concurrency: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	compareDirs(t, src, out)
+	if st.ChunksReused == 0 || st.ChunksReused >= 30 || st.ChunksFetched == 0 {
+		t.Fatalf("resume reused %d chunks and fetched %d; want some of the first run's 30 reused", st.ChunksReused, st.ChunksFetched)
+	}
+	if _, err := os.Stat(partial); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("partial dir left behind: %v", err)
+	}
+}
+
+func TestUnpackRefusesCorruptBlob(t *testing.T) {
+	ctx := context.Background()
+	src := makeImageDir(t)
+	layoutDir := t.TempDir()
+	store, err := oci.New(layoutDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, _, err := Pack(ctx, src, store, PackOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, _ := LoadSnapshot(ctx, store, desc)
+	pt, _ := LoadPart(ctx, store, snap.File("pages.img"), 0)
+	var victim Chunk
+	for _, c := range pt.Table.Chunks {
+		if c.Encoding == EncodingRaw {
+			victim = c
+		}
+	}
+	blob := filepath.Join(layoutDir, "blobs", "sha256", victim.Blob.Encoded())
+	os.Chmod(blob, 0o644)
+	data, _ := os.ReadFile(blob)
+	data[len(data)/2] ^= 1
+	os.WriteFile(blob, data, 0o644)
+	out := filepath.Join(t.TempDir(), "out")
+	_, _, err = Unpack(ctx, store, desc, out, UnpackOptions{})
+	if !errors.Is(err, ErrDigestMismatch) || !strings.Contains(err.Error(), victim.Digest.String()) {
+		t.Fatalf("want a digest mismatch naming chunk %s, got %v", victim.Digest, err)
+	}
+	if _, err := os.Stat(out); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("a failed unpack left %s", out)
+	}
+	if _, _, err := Verify(ctx, store, desc, 0); !errors.Is(err, ErrDigestMismatch) {
+		t.Fatalf("verify: %v", err)
 	}
 }

@@ -57,6 +57,22 @@ type PackOptions struct {
 	// OnChunk, if set, is called from worker goroutines after each chunk is
 	// stored, with its table entry and whether its blob was uploaded.
 	OnChunk func(c Chunk, uploaded bool)
+	// Resolver, if set, is asked for every non-zero chunk before it is
+	// compressed, and may name a blob that dst already has (or can get
+	// without an upload, such as by a cross-repository mount) for it.
+	Resolver ChunkResolver
+}
+
+// ChunkResolver finds, by a chunk's uncompressed digest, a blob that carries
+// it and that the destination has or can get without an upload: a registry's
+// chunk index knows blobs whose compressed bytes differ from what this
+// packer's zstd would write.
+type ChunkResolver interface {
+	// ResolveChunk gets c (Size and Digest set) and returns the entry to
+	// use instead, with Encoding, Blob and BlobSize set, and true; or false
+	// if it knows no such blob. After it returns true, the blob must be
+	// present in the destination.
+	ResolveChunk(ctx context.Context, c Chunk) (Chunk, bool, error)
 }
 
 // PackStats counts what Pack did.
@@ -338,42 +354,70 @@ func (p *packer) packFile(ctx context.Context, dir string, f fileEntry) ([]ocisp
 
 // storeChunk encodes data and pushes its blob unless dst has it.
 func (p *packer) storeChunk(ctx context.Context, data []byte) (Chunk, error) {
-	zbuf := p.bufs.Get().(*[]byte)
-	defer p.bufs.Put(zbuf)
-	c, blob := p.codec.Encode(data, *zbuf)
+	c := p.codec.Identify(data)
 	if c.Encoding == EncodingZero {
-		if p.opts.OnChunk != nil {
-			p.opts.OnChunk(c, false)
-		}
+		p.done(c, false)
 		return c, nil
 	}
-	p.mu.Lock()
-	_, seen := p.blobs[c.Blob]
-	if !seen {
-		p.blobs[c.Blob] = false
-		p.stats.StoredBytes += c.BlobSize
+	if p.opts.Resolver != nil {
+		rc, ok, err := p.opts.Resolver.ResolveChunk(ctx, c)
+		if err != nil {
+			return c, fmt.Errorf("resolve chunk %s: %w", c.Digest, err)
+		}
+		if ok {
+			rc.Offset, rc.Size, rc.Digest = c.Offset, c.Size, c.Digest
+			if err := rc.validateEncoding(); err != nil {
+				return c, fmt.Errorf("resolver's blob for chunk %s: %w", c.Digest, err)
+			}
+			if p.firstUse(rc) {
+				p.count(false, rc.BlobSize)
+			}
+			p.done(rc, false)
+			return rc, nil
+		}
 	}
-	p.mu.Unlock()
+	zbuf := p.bufs.Get().(*[]byte)
+	defer p.bufs.Put(zbuf)
+	c, blob := p.codec.Compress(c, data, *zbuf)
 	uploaded := false
-	if !seen {
-		desc := blobDescriptor(c)
+	if p.firstUse(c) {
 		var err error
-		if uploaded, err = p.pushIfMissing(ctx, desc, blob); err != nil {
+		if uploaded, err = p.pushIfMissing(ctx, blobDescriptor(c), blob); err != nil {
 			return c, fmt.Errorf("store chunk %s (blob %s): %w", c.Digest, c.Blob, err)
 		}
-		p.mu.Lock()
-		if uploaded {
-			p.stats.UploadedBytes += c.BlobSize
-			p.stats.BlobsUploaded++
-		} else {
-			p.stats.BlobsSkipped++
-		}
-		p.mu.Unlock()
+		p.count(uploaded, c.BlobSize)
 	}
+	p.done(c, uploaded)
+	return c, nil
+}
+
+// firstUse reports whether c's blob is seen for the first time in this pack.
+func (p *packer) firstUse(c Chunk) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.blobs[c.Blob] {
+		return false
+	}
+	p.blobs[c.Blob] = true
+	p.stats.StoredBytes += c.BlobSize
+	return true
+}
+
+func (p *packer) count(uploaded bool, size int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if uploaded {
+		p.stats.UploadedBytes += size
+		p.stats.BlobsUploaded++
+	} else {
+		p.stats.BlobsSkipped++
+	}
+}
+
+func (p *packer) done(c Chunk, uploaded bool) {
 	if p.opts.OnChunk != nil {
 		p.opts.OnChunk(c, uploaded)
 	}
-	return c, nil
 }
 
 // BlobWriter is implemented by stores that take a blob whose digest the

@@ -80,19 +80,23 @@ func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) (
 }
 
 // ChunkFunc receives a file's chunks in order with their verified bytes.
-// data is only valid during the call.
-type ChunkFunc func(c Chunk, data []byte) error
+// local says the bytes came from the local copy given to ReadFile rather
+// than from the store. data is only valid during the call.
+type ChunkFunc func(c Chunk, data []byte, local bool) error
 
 // ReadFile streams file f of a snapshot to fn, chunk by chunk in file order,
 // fetching and verifying chunks in parallel, and finally checks the whole
-// file's sha256. fn sees only verified chunks, but it sees them before the
-// file digest is checked: a caller that writes them must discard its output
-// if ReadFile fails.
-func (r *Reader) ReadFile(ctx context.Context, f *File, fn ChunkFunc) error {
+// file's sha256. If local is not nil, a chunk whose bytes it already holds
+// (verified against the chunk's digest) is taken from it instead of being
+// fetched: that is how an interrupted unpack resumes. fn sees only verified
+// chunks, but it sees them before the file digest is checked: a caller that
+// writes them must discard its output if ReadFile fails.
+func (r *Reader) ReadFile(ctx context.Context, f *File, local io.ReaderAt, fn ChunkFunc) error {
 	h := sha256.New()
 	type result struct {
-		c   Chunk
-		buf *[]byte
+		c     Chunk
+		buf   *[]byte
+		local bool
 	}
 	produce := func(ctx context.Context, emit func(Chunk) error) error {
 		for i := range f.Parts {
@@ -110,18 +114,24 @@ func (r *Reader) ReadFile(ctx context.Context, f *File, fn ChunkFunc) error {
 	}
 	work := func(ctx context.Context, c Chunk) (result, error) {
 		bp := r.bufs.Get().(*[]byte)
+		if local != nil {
+			if data, ok := r.localChunk(local, c, *bp); ok {
+				*bp = data
+				return result{c, bp, true}, nil
+			}
+		}
 		data, err := r.FetchChunk(ctx, c, *bp)
 		if err != nil {
 			r.bufs.Put(bp)
 			return result{}, fmt.Errorf("%s at offset %d: %w", f.Path, c.Offset, err)
 		}
 		*bp = data
-		return result{c, bp}, nil
+		return result{c, bp, false}, nil
 	}
 	sink := func(res result) error {
 		defer r.bufs.Put(res.buf)
 		h.Write(*res.buf)
-		return fn(res.c, *res.buf)
+		return fn(res.c, *res.buf, res.local)
 	}
 	if err := ordered.Map(ctx, r.concurrency, 2*r.concurrency+2, produce, work, sink); err != nil {
 		return err
@@ -130,4 +140,23 @@ func (r *Reader) ReadFile(ctx context.Context, f *File, fn ChunkFunc) error {
 		return fmt.Errorf("%s: file hashes to %s, snapshot says %s: %w", f.Path, got, f.Digest, ErrDigestMismatch)
 	}
 	return nil
+}
+
+// localChunk reads chunk c's range from local into buf and reports whether
+// it holds exactly the chunk's bytes. Bytes past the end of local read as
+// zeros (a file is extended to its size only at the end of an unpack).
+func (r *Reader) localChunk(local io.ReaderAt, c Chunk, buf []byte) ([]byte, bool) {
+	if int64(cap(buf)) < c.Size {
+		buf = make([]byte, c.Size)
+	}
+	buf = buf[:c.Size]
+	n, err := local.ReadAt(buf, c.Offset)
+	if err != nil && err != io.EOF {
+		return buf, false
+	}
+	clear(buf[n:])
+	if c.Encoding == EncodingZero {
+		return buf, isZero(buf)
+	}
+	return buf, digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(buf)) == c.Digest
 }

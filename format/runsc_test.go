@@ -47,7 +47,7 @@ func TestRealCheckpointRoundTrip(t *testing.T) {
 	}
 
 	out := filepath.Join(t.TempDir(), "img")
-	if _, err := Unpack(ctx, store, desc, out, 0); err != nil {
+	if _, _, err := Unpack(ctx, store, desc, out, UnpackOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	compareDirs(t, img, out)

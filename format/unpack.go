@@ -4,69 +4,139 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"syscall"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content"
 )
 
+// UnpackOptions tune Unpack.
+type UnpackOptions struct {
+	// Concurrency is how many chunks are fetched and decoded at once
+	// (default GOMAXPROCS).
+	Concurrency int
+	// OnChunk, if set, is called in file order for every chunk written,
+	// with fetched false for chunks that were already on disk from an
+	// interrupted run and for zero chunks.
+	OnChunk func(c Chunk, fetched bool)
+}
+
+// UnpackStats counts what Unpack did.
+type UnpackStats struct {
+	Files int `json:"files"`
+	// LogicalBytes is the size of all files.
+	LogicalBytes int64 `json:"logicalBytes"`
+	// FetchedBytes is the size of the blobs fetched; ReusedBytes the bytes
+	// found already verified on disk from an interrupted run.
+	FetchedBytes int64 `json:"fetchedBytes"`
+	ReusedBytes  int64 `json:"reusedBytes"`
+	// ChunksFetched and ChunksReused count non-zero chunks.
+	ChunksFetched int `json:"chunksFetched"`
+	ChunksReused  int `json:"chunksReused"`
+}
+
+// PartialDir is where Unpack writes before renaming into dir: a hidden
+// directory next to dir. An interrupted Unpack leaves it; the next Unpack
+// into the same dir resumes from it.
+func PartialDir(dir string) string {
+	parent, base := filepath.Split(filepath.Clean(dir))
+	return filepath.Join(parent, "."+base+".cryo-partial")
+}
+
 // Unpack restores the snapshot desc from src into dir, which must not exist
-// or be an empty directory. Every chunk and every file is verified. The files
-// are written into a temporary directory next to dir, synced, and renamed to
-// dir only when all of them verified, so dir never holds a partial snapshot.
-// Zero chunks are left as holes (sparse files).
-func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, dir string, concurrency int) (*Snapshot, error) {
+// or be an empty directory. Every chunk and every file is verified. Files
+// are written into PartialDir(dir) and moved into place by one rename only
+// when all of them verified, so dir never holds a partial or corrupt
+// snapshot. If an earlier Unpack into dir was interrupted, the chunks it
+// left on disk are verified and kept instead of being fetched again. Zero
+// chunks are left as holes (sparse files).
+func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, dir string, opts UnpackOptions) (*Snapshot, *UnpackStats, error) {
 	snap, err := LoadSnapshot(ctx, src, desc)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if err := checkTarget(dir); err != nil {
-		return nil, err
-	}
-	parent, base := filepath.Split(filepath.Clean(dir))
-	if parent == "" {
-		parent = "."
-	}
-	tmp, err := os.MkdirTemp(parent, "."+base+".cryo-tmp-")
+	partial, unlock, err := openPartial(dir)
 	if err != nil {
-		return nil, fmt.Errorf("unpack into %s: %w", dir, err)
+		return nil, nil, err
 	}
-	done := false
-	defer func() {
-		if !done {
-			os.RemoveAll(tmp)
-		}
-	}()
-	r, err := NewReader(src, concurrency)
+	defer unlock()
+	r, err := NewReader(src, opts.Concurrency)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer r.Close()
+	st := &UnpackStats{}
+	keep := map[string]bool{}
 	for i := range snap.Files {
-		if err := writeFile(ctx, r, tmp, &snap.Files[i]); err != nil {
-			return nil, err
+		f := &snap.Files[i]
+		keep[filepath.FromSlash(f.Path)] = true
+		if err := writeFile(ctx, r, partial, f, st, opts.OnChunk); err != nil {
+			return nil, st, err
 		}
+		st.Files++
+		st.LogicalBytes += f.Size
 	}
-	if err := os.Chmod(tmp, 0o755); err != nil {
-		return nil, err
+	if err := commitPartial(partial, dir, keep); err != nil {
+		return nil, st, err
 	}
-	if err := syncDir(tmp); err != nil {
-		return nil, err
+	return snap, st, nil
+}
+
+// openPartial creates or reopens PartialDir(dir), after checking that dir
+// can be replaced, and locks it against a concurrent unpack into dir.
+func openPartial(dir string) (string, func(), error) {
+	if err := checkTarget(dir); err != nil {
+		return "", nil, err
+	}
+	partial := PartialDir(dir)
+	if err := os.MkdirAll(partial, 0o700); err != nil {
+		return "", nil, fmt.Errorf("unpack into %s: %w", dir, err)
+	}
+	lock, err := os.Open(partial)
+	if err != nil {
+		return "", nil, fmt.Errorf("unpack into %s: %w", dir, err)
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		lock.Close()
+		return "", nil, fmt.Errorf("unpack into %s: another unpack holds %s: %w", dir, partial, err)
+	}
+	return partial, func() { lock.Close() }, nil
+}
+
+// commitPartial removes files of partial that are not in keep (left by an
+// interrupted unpack of another snapshot), syncs it and renames it to dir.
+func commitPartial(partial, dir string, keep map[string]bool) error {
+	err := filepath.WalkDir(partial, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(partial, p)
+		if !keep[rel] {
+			return os.Remove(p)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("clean %s: %w", partial, err)
+	}
+	if err := os.Chmod(partial, 0o755); err != nil {
+		return err
+	}
+	if err := syncDir(partial); err != nil {
+		return err
 	}
 	if err := checkTarget(dir); err != nil {
-		return nil, err
+		return err
 	}
 	_ = os.Remove(dir) // an empty dir may be replaced; anything else was refused above
-	if err := os.Rename(tmp, dir); err != nil {
-		return nil, fmt.Errorf("move unpacked snapshot into place: %w", err)
+	if err := os.Rename(partial, dir); err != nil {
+		return fmt.Errorf("move unpacked snapshot into place: %w", err)
 	}
-	done = true
-	if err := syncDir(parent); err != nil {
-		return nil, err
-	}
-	return snap, nil
+	return syncDir(filepath.Dir(filepath.Clean(dir)))
 }
 
 // checkTarget refuses a dir that exists and is not an empty directory.
@@ -84,21 +154,48 @@ func checkTarget(dir string) error {
 	return nil
 }
 
-// writeFile writes one verified file under root.
-func writeFile(ctx context.Context, r *Reader, root string, f *File) error {
+// writeFile writes one verified file under root, reusing verified chunks
+// that an interrupted unpack left in it.
+func writeFile(ctx context.Context, r *Reader, root string, f *File, st *UnpackStats, onChunk func(Chunk, bool)) error {
 	// f.Path was validated by ParseIndex: relative, clean, no "..".
 	name := filepath.Join(root, filepath.FromSlash(f.Path))
 	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
 		return fmt.Errorf("create parent of %s: %w", f.Path, err)
 	}
-	fh, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	fh, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return fmt.Errorf("create %s: %w", f.Path, err)
 	}
 	defer fh.Close()
-	err = r.ReadFile(ctx, f, func(c Chunk, data []byte) error {
-		if c.Encoding == EncodingZero {
-			return nil // left as a hole; Truncate below sets the size
+	info, err := fh.Stat()
+	if err != nil {
+		return fmt.Errorf("stat %s: %w", f.Path, err)
+	}
+	if !info.Mode().IsRegular() {
+		return fmt.Errorf("%s in %s is not a regular file", f.Path, root)
+	}
+	var local io.ReaderAt
+	resumed := info.Size() > 0
+	if resumed {
+		local = fh
+	}
+	err = r.ReadFile(ctx, f, local, func(c Chunk, data []byte, fromLocal bool) error {
+		if c.Encoding != EncodingZero {
+			if fromLocal {
+				st.ChunksReused++
+				st.ReusedBytes += c.Size
+			} else {
+				st.ChunksFetched++
+				st.FetchedBytes += c.BlobSize
+			}
+		}
+		if onChunk != nil {
+			onChunk(c, !fromLocal && c.Encoding != EncodingZero)
+		}
+		// A fresh file's zero chunks stay holes (Truncate below sets the
+		// size); in a resumed file they are written unless already zero.
+		if fromLocal || (c.Encoding == EncodingZero && !resumed) {
+			return nil
 		}
 		if _, err := fh.WriteAt(data, c.Offset); err != nil {
 			return fmt.Errorf("write %s at %d: %w", f.Path, c.Offset, err)
@@ -158,7 +255,7 @@ func Verify(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, c
 	st := &VerifyStats{}
 	for i := range snap.Files {
 		f := &snap.Files[i]
-		if err := r.ReadFile(ctx, f, func(Chunk, []byte) error { st.Chunks++; return nil }); err != nil {
+		if err := r.ReadFile(ctx, f, nil, func(Chunk, []byte, bool) error { st.Chunks++; return nil }); err != nil {
 			return snap, st, err
 		}
 		st.Files++

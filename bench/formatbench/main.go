@@ -23,6 +23,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -34,6 +35,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"sort"
 	"strconv"
 	"strings"
@@ -70,6 +72,7 @@ func main() {
 	dir := flag.String("dir", "", "parent of the scratch dir (default /var/tmp); a fresh temp dir is made inside it and removed at the end")
 	reps := flag.Int("reps", 3, "timed repetitions of each pack measurement; the median and min-max spread are reported")
 	only := flag.String("only", "all", "which part to run: pack, dedup or all")
+	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	dedupKinds := flag.String("dedup-kinds", "random", "comma-separated kinds of memory for the dedup part: random, text, halfzero")
 	flag.Usage = func() {
 		w := flag.CommandLine.Output()
@@ -123,6 +126,16 @@ flags:
 	if err != nil {
 		fatalf("scratch dir: %v", err)
 	}
+	if *cpuprofile != "" {
+		f, err := os.Create(*cpuprofile)
+		if err != nil {
+			fatalf("%v", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fatalf("%v", err)
+		}
+		defer func() { pprof.StopCPUProfile(); f.Close() }()
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err = run(ctx, cfg, scratch)
 	stop()
@@ -130,6 +143,7 @@ flags:
 		err = rerr
 	}
 	if err != nil {
+		pprof.StopCPUProfile()
 		fatalf("%v", err)
 	}
 }
@@ -144,6 +158,8 @@ func progress(f string, args ...any) {
 }
 
 func run(ctx context.Context, cfg config, scratch string) error {
+	progress("scratch dir %s, load average %s", scratch, loadavg())
+	defer func() { progress("done, load average %s", loadavg()) }()
 	fmt.Printf("`formatbench %s` — GOMAXPROCS=%d, %s, %s/%s, %s, %s\n",
 		strings.Join(quoteArgs(os.Args[1:]), " "), runtime.GOMAXPROCS(0), runtime.Version(),
 		runtime.GOOS, runtime.GOARCH, cpuModel(), time.Now().UTC().Format("2006-01-02 15:04 MST"))
@@ -213,7 +229,7 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 	for rep := 1; rep <= cfg.reps; rep++ {
 		// cryo
 		syscall.Sync()
-		start := time.Now()
+		cpu0, start := cpuTime(), time.Now()
 		store, err := layout.New(out)
 		if err != nil {
 			return row, err
@@ -222,7 +238,7 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 		if err != nil {
 			return row, err
 		}
-		d := time.Since(start)
+		d, cpu := time.Since(start), cpuTime()-cpu0
 		if err := os.RemoveAll(out); err != nil {
 			return row, err
 		}
@@ -232,16 +248,16 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 		row.cryo = append(row.cryo, mbps(logical, d))
 		row.stored = stats.StoredBytes
 		row.zero, row.raw, row.zs = stats.Chunks[format.EncodingZero], stats.Chunks[format.EncodingRaw], stats.Chunks[format.EncodingZstd]
-		progress("pack %s rep %d/%d: cryo  %6.2fs %7.0f MB/s", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d))
+		progress("pack %s rep %d/%d: cryo  %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
 
 		// naive
 		syscall.Sync()
-		start = time.Now()
+		cpu0, start = cpuTime(), time.Now()
 		n, err := naiveCopy(ctx, img, out)
 		if err != nil {
 			return row, err
 		}
-		d = time.Since(start)
+		d, cpu = time.Since(start), cpuTime()-cpu0
 		if err := os.RemoveAll(out); err != nil {
 			return row, err
 		}
@@ -249,7 +265,7 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 			return row, fmt.Errorf("naive copy read %d bytes, image dir holds %d", n, logical)
 		}
 		row.naive = append(row.naive, mbps(logical, d))
-		progress("pack %s rep %d/%d: naive %6.2fs %7.0f MB/s", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d))
+		progress("pack %s rep %d/%d: naive %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
 	}
 	syscall.Sync()
 	return row, nil
@@ -336,7 +352,7 @@ type dedupRow struct {
 	chunks    int   // chunks of the second file
 	size      int64 // size of the second file
 	shared    int64 // bytes of the second file in chunks the first has
-	upload    int64 // bytes of the second file's distinct chunks the first lacks
+	upload    int64 // bytes of the second file's distinct non-zero chunks the first lacks
 	unchanged int64
 }
 
@@ -405,7 +421,7 @@ func dedupBench(ctx context.Context, cfg config, scratch string) error {
 	}
 	fmt.Println()
 	fmt.Println("Shared bytes are the bytes of the second file's chunks whose sha256 is also among the base's chunks, as a share of the bytes Mutate left unchanged;",
-		"upload is the size of the second file's distinct chunks the base lacks. page-cdc uses min avg/4, max 4·avg.")
+		"upload is the size of the second file's distinct chunks the base lacks, all-zero chunks excepted (cryo stores them as nothing). page-cdc uses min avg/4, max 4·avg.")
 	return nil
 }
 
@@ -448,7 +464,11 @@ func writeFile(name string, fill func(io.Writer) error) error {
 type chunkSum struct {
 	sum  [sha256.Size]byte
 	size int
+	zero bool // all zero bytes: cryo stores it as nothing
 }
+
+// zeros is only ever compared against.
+var zeros = make([]byte, chunker.MaxChunkSize)
 
 // chunkFile cuts the file name with p and returns the sha256 and size of each
 // chunk in order.
@@ -471,7 +491,8 @@ func chunkFile(name string, p chunker.Params) ([]chunkSum, error) {
 		if err != nil {
 			return nil, err
 		}
-		sums = append(sums, chunkSum{sum: sha256.Sum256(data), size: len(data)})
+		zero := len(data) > 0 && data[0] == 0 && bytes.Equal(data, zeros[:len(data)])
+		sums = append(sums, chunkSum{sum: sha256.Sum256(data), size: len(data), zero: zero})
 	}
 }
 
@@ -497,7 +518,7 @@ func dedupPair(base, second string, p chunker.Params) (dedupRow, error) {
 		switch {
 		case have[c.sum]:
 			r.shared += int64(c.size)
-		case !uploaded[c.sum]:
+		case !c.zero && !uploaded[c.sum]:
 			uploaded[c.sum] = true
 			r.upload += int64(c.size)
 		}
@@ -506,6 +527,26 @@ func dedupPair(base, second string, p chunker.Params) (dedupRow, error) {
 }
 
 // --- helpers ---
+
+// cpuTime is the user+system CPU time the process has used so far; progress
+// lines show it next to wall time so that a rep slowed by other work on the
+// machine stands out.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// loadavg returns the first line of /proc/loadavg, or "".
+func loadavg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
 
 func mbps(n int64, d time.Duration) float64 {
 	return float64(n) / 1e6 / d.Seconds()

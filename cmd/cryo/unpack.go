@@ -28,7 +28,7 @@ verified, so DIR never holds a partial or corrupt snapshot.`,
 				return err
 			}
 			start := time.Now()
-			snap, err := format.Unpack(ctx, store, desc, args[1], concurrency)
+			snap, _, err := format.Unpack(ctx, store, desc, args[1], format.UnpackOptions{Concurrency: concurrency})
 			if err != nil {
 				return err
 			}

@@ -1,0 +1,97 @@
+// Package api holds the types of cryo's registry extension API and a small
+// client for it. The API is optional: cryo's client works with any OCI
+// registry and uses it only as a speed-up when a registry answers it. It is
+// specified in SPEC.md ("Registry extensions").
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+
+	"github.com/opencontainers/go-digest"
+)
+
+// ChunksPath is the path of the chunk index lookup, relative to the
+// registry's base URL.
+const ChunksPath = "/v2/_cryo/chunks"
+
+// MaxLookupDigests is the most digests one batch lookup may ask for.
+const MaxLookupDigests = 10000
+
+// ChunkBlob is a blob in the registry that carries a chunk.
+type ChunkBlob struct {
+	// Encoding is the chunk encoding of the blob: "raw" or "zstd".
+	Encoding string `json:"encoding"`
+	// MediaType is the blob's media type.
+	MediaType string `json:"mediaType"`
+	// Digest and Size identify the blob.
+	Digest digest.Digest `json:"digest"`
+	Size   int64         `json:"size"`
+	// ChunkSize is the uncompressed size of the chunk.
+	ChunkSize int64 `json:"chunkSize"`
+	// Repository is a repository the blob is linked in, to mount it from.
+	Repository string `json:"repository"`
+}
+
+// LookupRequest is the body of POST /v2/_cryo/chunks.
+type LookupRequest struct {
+	// Digests are uncompressed chunk digests.
+	Digests []digest.Digest `json:"digests"`
+}
+
+// LookupResponse answers a lookup: for each known chunk digest, the blobs
+// that carry it. Unknown digests are absent.
+type LookupResponse struct {
+	Chunks map[digest.Digest][]ChunkBlob `json:"chunks"`
+}
+
+// Doer sends HTTP requests; oras-go's auth.Client is one.
+type Doer interface {
+	Do(*http.Request) (*http.Response, error)
+}
+
+// ErrUnsupported is returned by Lookup when the registry does not serve the
+// extension API (any OCI registry but cryo's).
+var ErrUnsupported = fmt.Errorf("registry has no cryo chunk index")
+
+// Lookup asks the registry at baseURL (scheme://host) which of digests it
+// holds, in batches of MaxLookupDigests.
+func Lookup(ctx context.Context, c Doer, baseURL string, digests []digest.Digest) (map[digest.Digest][]ChunkBlob, error) {
+	out := map[digest.Digest][]ChunkBlob{}
+	for start := 0; start < len(digests); start += MaxLookupDigests {
+		batch := digests[start:min(start+MaxLookupDigests, len(digests))]
+		body, _ := json.Marshal(LookupRequest{Digests: batch})
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+ChunksPath, bytes.NewReader(body))
+		if err != nil {
+			return nil, err
+		}
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := c.Do(req)
+		if err != nil {
+			return nil, fmt.Errorf("chunk index lookup: %w", err)
+		}
+		data, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed {
+			return nil, ErrUnsupported
+		}
+		if resp.StatusCode != http.StatusOK {
+			return nil, fmt.Errorf("chunk index lookup: %s", resp.Status)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("chunk index lookup: %w", err)
+		}
+		var lr LookupResponse
+		if err := json.Unmarshal(data, &lr); err != nil {
+			return nil, fmt.Errorf("chunk index lookup: decode answer: %w", err)
+		}
+		for d, blobs := range lr.Chunks {
+			out[d] = blobs
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,142 @@
+package registry
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// metrics are cryo's own registry metrics, in a registry of their own so
+// that several Servers can live in one process. /metrics serves them
+// together with distribution's (process-wide) HTTP metrics.
+type metrics struct {
+	reg          *prometheus.Registry
+	bytesServed  *prometheus.CounterVec
+	chunkLookups *prometheus.CounterVec
+}
+
+func newMetrics(s *Server) *metrics {
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		bytesServed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cryo_registry_response_bytes_total",
+			Help: "Bytes of HTTP response bodies served, by kind of object (blob, manifest, other).",
+		}, []string{"kind"}),
+		chunkLookups: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cryo_registry_chunk_index_lookups_total",
+			Help: "Chunk index lookups by result (hit: some blob carries the chunk; miss).",
+		}, []string{"result"}),
+	}
+	m.reg.MustRegister(m.bytesServed, m.chunkLookups, &statsCollector{server: s, ttl: 30 * time.Second})
+	return m
+}
+
+func (m *metrics) handler() http.Handler {
+	return promhttp.HandlerFor(prometheus.Gatherers{m.reg, prometheus.DefaultGatherer}, promhttp.HandlerOpts{})
+}
+
+// instrument counts the bytes of every response h writes.
+func (m *metrics) instrument(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		kind := "other"
+		switch {
+		case strings.Contains(r.URL.Path, "/blobs/"):
+			kind = "blob"
+		case strings.Contains(r.URL.Path, "/manifests/"):
+			kind = "manifest"
+		}
+		cw := &countingWriter{ResponseWriter: w}
+		h.ServeHTTP(cw, r)
+		m.bytesServed.WithLabelValues(kind).Add(float64(cw.n))
+	})
+}
+
+// countingWriter counts body bytes. It keeps the io.ReaderFrom of the
+// underlying writer, so blob downloads still use sendfile.
+type countingWriter struct {
+	http.ResponseWriter
+	n int64
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	n, err := c.ResponseWriter.Write(b)
+	c.n += int64(n)
+	return n, err
+}
+
+func (c *countingWriter) ReadFrom(r io.Reader) (int64, error) {
+	var n int64
+	var err error
+	if rf, ok := c.ResponseWriter.(io.ReaderFrom); ok {
+		n, err = rf.ReadFrom(r)
+	} else {
+		n, err = io.Copy(c.ResponseWriter, r)
+	}
+	c.n += n
+	return n, err
+}
+
+func (c *countingWriter) Flush() {
+	if f, ok := c.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer.
+func (c *countingWriter) Unwrap() http.ResponseWriter { return c.ResponseWriter }
+
+// statsCollector exports storage statistics, computed at most once per ttl
+// because they walk the storage.
+type statsCollector struct {
+	server *Server
+	ttl    time.Duration
+	mu     sync.Mutex
+	at     time.Time
+	last   *Stats
+}
+
+var (
+	descBlobs        = prometheus.NewDesc("cryo_registry_blobs", "Blobs stored (each once, however many repositories link it).", nil, nil)
+	descBlobBytes    = prometheus.NewDesc("cryo_registry_blob_bytes", "Bytes of all stored blobs.", nil, nil)
+	descSnapshots    = prometheus.NewDesc("cryo_registry_snapshots", "Distinct cryo snapshots stored.", nil, nil)
+	descLogicalBytes = prometheus.NewDesc("cryo_registry_snapshot_logical_bytes", "Sum of the logical sizes (files as restored) of all distinct snapshots.", nil, nil)
+	descChunkBytes   = prometheus.NewDesc("cryo_registry_chunk_blob_bytes", "Bytes of stored chunk blobs.", nil, nil)
+	descDedupRatio   = prometheus.NewDesc("cryo_registry_dedup_ratio", "Logical bytes of all snapshots divided by the bytes of stored chunk blobs.", nil, nil)
+)
+
+func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descBlobs, descBlobBytes, descSnapshots, descLogicalBytes, descChunkBytes, descDedupRatio} {
+		ch <- d
+	}
+}
+
+func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	if c.last == nil || time.Since(c.at) > c.ttl {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		st, err := c.server.Stats(ctx)
+		cancel()
+		if err != nil {
+			c.server.log.Error("compute storage stats", "err", err)
+		} else {
+			c.last, c.at = st, time.Now()
+		}
+	}
+	st := c.last
+	c.mu.Unlock()
+	if st == nil {
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(descBlobs, prometheus.GaugeValue, float64(st.Blobs))
+	ch <- prometheus.MustNewConstMetric(descBlobBytes, prometheus.GaugeValue, float64(st.BlobBytes))
+	ch <- prometheus.MustNewConstMetric(descSnapshots, prometheus.GaugeValue, float64(st.Snapshots))
+	ch <- prometheus.MustNewConstMetric(descLogicalBytes, prometheus.GaugeValue, float64(st.LogicalBytes))
+	ch <- prometheus.MustNewConstMetric(descChunkBytes, prometheus.GaugeValue, float64(st.ChunkBlobBytes))
+	ch <- prometheus.MustNewConstMetric(descDedupRatio, prometheus.GaugeValue, st.DedupRatio())
+}

@@ -1,0 +1,143 @@
+package registry
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/distribution/distribution/v3"
+	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
+	"github.com/distribution/reference"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+)
+
+// Stats describe what a registry stores.
+type Stats struct {
+	// Blobs and BlobBytes count every stored blob once.
+	Blobs     int   `json:"blobs"`
+	BlobBytes int64 `json:"blobBytes"`
+	// Repositories is the number of repositories.
+	Repositories int `json:"repositories"`
+	// Snapshots counts distinct cryo snapshot indexes; LogicalBytes sums
+	// their file sizes.
+	Snapshots    int   `json:"snapshots"`
+	LogicalBytes int64 `json:"logicalBytes"`
+	// ChunkBlobs and ChunkBlobBytes count the distinct chunk blobs the
+	// snapshots use.
+	ChunkBlobs     int   `json:"chunkBlobs"`
+	ChunkBlobBytes int64 `json:"chunkBlobBytes"`
+}
+
+// DedupRatio is LogicalBytes / ChunkBlobBytes: how many bytes of snapshots
+// each stored chunk byte serves (compression and dedup together).
+func (s *Stats) DedupRatio() float64 {
+	if s.ChunkBlobBytes == 0 {
+		return 0
+	}
+	return float64(s.LogicalBytes) / float64(s.ChunkBlobBytes)
+}
+
+// Stats walks the storage and counts blobs, repositories and snapshots. It
+// reads every manifest: it is meant for metrics scraped now and then and
+// for `cryo registry stats`, not for a request path.
+func (s *Server) Stats(ctx context.Context) (*Stats, error) {
+	st := &Stats{}
+	statter := s.ns.BlobStatter()
+	err := s.ns.Blobs().Enumerate(ctx, func(d digest.Digest) error {
+		desc, err := statter.Stat(ctx, d)
+		if err != nil {
+			return nil // deleted meanwhile
+		}
+		st.Blobs++
+		st.BlobBytes += desc.Size
+		return nil
+	})
+	var notFound storagedriver.PathNotFoundError
+	if err != nil && !errors.As(err, &notFound) {
+		return nil, fmt.Errorf("enumerate blobs: %w", err)
+	}
+	enum, ok := s.ns.(distribution.RepositoryEnumerator)
+	if !ok {
+		return st, nil
+	}
+	seenIndex := map[digest.Digest]bool{}
+	seenChunk := map[digest.Digest]bool{}
+	err = enum.Enumerate(ctx, func(name string) error {
+		st.Repositories++
+		named, err := reference.WithName(name)
+		if err != nil {
+			return nil
+		}
+		repo, err := s.ns.Repository(ctx, named)
+		if err != nil {
+			return err
+		}
+		ms, err := repo.Manifests(ctx)
+		if err != nil {
+			return err
+		}
+		me, ok := ms.(distribution.ManifestEnumerator)
+		if !ok {
+			return nil
+		}
+		err = me.Enumerate(ctx, func(d digest.Digest) error {
+			m, err := ms.Get(ctx, d)
+			if err != nil {
+				return nil
+			}
+			mt, payload, err := m.Payload()
+			if err != nil {
+				return nil
+			}
+			switch mt {
+			case ocispec.MediaTypeImageIndex:
+				if !seenIndex[d] {
+					seenIndex[d] = true
+					st.addSnapshot(payload)
+				}
+			case ocispec.MediaTypeImageManifest:
+				st.addChunks(payload, seenChunk)
+			}
+			return nil
+		})
+		if err != nil && !errors.As(err, &notFound) {
+			return err
+		}
+		return nil
+	})
+	if err != nil && !errors.As(err, &notFound) {
+		return nil, fmt.Errorf("enumerate repositories: %w", err)
+	}
+	return st, nil
+}
+
+func (st *Stats) addSnapshot(payload []byte) {
+	var idx ocispec.Index
+	if json.Unmarshal(payload, &idx) != nil || idx.ArtifactType != format.ArtifactTypeSnapshot {
+		return
+	}
+	st.Snapshots++
+	for _, m := range idx.Manifests {
+		if n, err := strconv.ParseInt(m.Annotations[format.AnnotationPartLength], 10, 64); err == nil {
+			st.LogicalBytes += n
+		}
+	}
+}
+
+func (st *Stats) addChunks(payload []byte, seen map[digest.Digest]bool) {
+	var m ocispec.Manifest
+	if json.Unmarshal(payload, &m) != nil || m.ArtifactType != format.ArtifactTypeFile {
+		return
+	}
+	for _, l := range m.Layers {
+		if (l.MediaType == format.MediaTypeChunkRaw || l.MediaType == format.MediaTypeChunkZstd) && !seen[l.Digest] {
+			seen[l.Digest] = true
+			st.ChunkBlobs++
+			st.ChunkBlobBytes += l.Size
+		}
+	}
+}
