@@ -52,7 +52,7 @@ type PackOptions struct {
 	// that packing the same dir twice gives the same index.
 	Created time.Time
 	// Concurrency is how many chunks are encoded and stored at once
-	// (default GOMAXPROCS).
+	// (default 4 x GOMAXPROCS).
 	Concurrency int
 	// OnChunk, if set, is called from worker goroutines after each chunk is
 	// stored, with its table entry and whether its blob was uploaded.
@@ -155,9 +155,11 @@ func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
 		return nil, err
 	}
 	if opts.Concurrency <= 0 {
-		opts.Concurrency = runtime.GOMAXPROCS(0)
+		// More workers than cores: each worker also waits on the
+		// destination (creating a blob file, an HTTP round trip).
+		opts.Concurrency = 4 * runtime.GOMAXPROCS(0)
 	}
-	codec, err := NewCodec(opts.Concurrency)
+	codec, err := NewCodec(runtime.GOMAXPROCS(0))
 	if err != nil {
 		return nil, err
 	}

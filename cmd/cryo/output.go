@@ -4,21 +4,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+
+	"github.com/cryo-oci/cryo/internal/progress"
 )
 
 // humanBytes formats n bytes with a binary unit.
-func humanBytes(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
+func humanBytes(n int64) string { return progress.Bytes(n) }
 
 // percent formats part/whole as a percentage.
 func percent(part, whole int64) string {

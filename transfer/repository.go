@@ -1,0 +1,138 @@
+// Package transfer moves snapshots between image dirs and registries: push
+// (pack on the fly, upload only what the registry lacks), pull (verified,
+// parallel, resumable), copy between registries, and login. It speaks the
+// OCI distribution API through oras-go, so it works with any OCI registry;
+// cryo's registry extensions (the chunk index) are used when present.
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"oras.land/oras-go/v2/registry"
+	"oras.land/oras-go/v2/registry/remote"
+	"oras.land/oras-go/v2/registry/remote/auth"
+	"oras.land/oras-go/v2/registry/remote/credentials"
+	"oras.land/oras-go/v2/registry/remote/retry"
+)
+
+// DefaultTag is the tag used when a reference names none.
+const DefaultTag = "latest"
+
+// ClientOptions say how to reach a registry.
+type ClientOptions struct {
+	// PlainHTTP forces HTTP (true) or HTTPS (false). Unset, localhost and
+	// loopback registries use HTTP, as Docker does, and others HTTPS.
+	PlainHTTP *bool
+	// Username and Password, if set, are used instead of Docker's
+	// credential store.
+	Username, Password string
+	// MaxConns bounds the idle connections kept per registry (default 64),
+	// so that parallel transfers reuse keep-alive connections.
+	MaxConns int
+}
+
+// Repository opens the repository named by ref ("host[:port]/name[:tag|@digest]")
+// and returns it with the tag or digest ref names (DefaultTag if none).
+func Repository(ref string, opts ClientOptions) (*remote.Repository, string, error) {
+	parsed, err := registry.ParseReference(ref)
+	if err != nil {
+		return nil, "", fmt.Errorf("reference %q: %w", ref, err)
+	}
+	reference := parsed.Reference
+	if reference == "" {
+		reference = DefaultTag
+		parsed.Reference = DefaultTag
+	}
+	repo, err := remote.NewRepository(parsed.String())
+	if err != nil {
+		return nil, "", fmt.Errorf("reference %q: %w", ref, err)
+	}
+	repo.PlainHTTP = isLocal(parsed.Registry)
+	if opts.PlainHTTP != nil {
+		repo.PlainHTTP = *opts.PlainHTTP
+	}
+	client, err := newClient(opts)
+	if err != nil {
+		return nil, "", err
+	}
+	repo.Client = client
+	repo.SkipReferrersGC = true
+	return repo, reference, nil
+}
+
+// BaseURL is the scheme and host of repo's registry.
+func BaseURL(repo *remote.Repository) string {
+	scheme := "https"
+	if repo.PlainHTTP {
+		scheme = "http"
+	}
+	return scheme + "://" + repo.Reference.Host()
+}
+
+func newClient(opts ClientOptions) (*auth.Client, error) {
+	maxConns := opts.MaxConns
+	if maxConns <= 0 {
+		maxConns = 64
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.MaxIdleConns = 4 * maxConns
+	tr.MaxIdleConnsPerHost = maxConns
+	tr.IdleConnTimeout = 90 * time.Second
+	tr.DialContext = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext
+	c := &auth.Client{
+		Client: &http.Client{Transport: retry.NewTransport(tr)},
+		Cache:  auth.NewCache(),
+		Header: http.Header{"User-Agent": {"cryo"}},
+	}
+	if opts.Username != "" || opts.Password != "" {
+		cred := auth.Credential{Username: opts.Username, Password: opts.Password}
+		c.Credential = func(context.Context, string) (auth.Credential, error) { return cred, nil }
+		return c, nil
+	}
+	store, err := credentials.NewStoreFromDocker(credentials.StoreOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("read Docker credentials: %w", err)
+	}
+	c.Credential = credentials.Credential(store)
+	return c, nil
+}
+
+// isLocal reports whether host names this machine.
+func isLocal(host string) bool {
+	h := host
+	if hh, _, err := net.SplitHostPort(host); err == nil {
+		h = hh
+	}
+	h = strings.Trim(h, "[]")
+	if h == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(h)
+	return ip != nil && ip.IsLoopback()
+}
+
+// Login checks the credentials against the registry at host and stores them
+// in Docker's credential store (or its credential helper).
+func Login(ctx context.Context, host, username, password string, plainHTTP *bool) error {
+	reg, err := remote.NewRegistry(host)
+	if err != nil {
+		return fmt.Errorf("registry %q: %w", host, err)
+	}
+	reg.PlainHTTP = isLocal(host)
+	if plainHTTP != nil {
+		reg.PlainHTTP = *plainHTTP
+	}
+	store, err := credentials.NewStoreFromDocker(credentials.StoreOptions{AllowPlaintextPut: true})
+	if err != nil {
+		return fmt.Errorf("read Docker credentials: %w", err)
+	}
+	if err := credentials.Login(ctx, store, reg, auth.Credential{Username: username, Password: password}); err != nil {
+		return fmt.Errorf("login to %s: %w", host, err)
+	}
+	return nil
+}
