@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"syscall"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content"
 )
@@ -263,3 +264,124 @@ func Verify(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, c
 	}
 	return snap, st, nil
 }
+
+// AnnotationTitle names a layer's file in artifacts that `oras push FILE...`
+// writes.
+const AnnotationTitle = ocispec.AnnotationTitle
+
+// UnpackFiles restores a plain OCI artifact, as `oras push checkpoint.img
+// pages_meta.img pages.img` writes it (one layer per whole file, named by
+// its org.opencontainers.image.title annotation), into dir with the same
+// guarantees as Unpack: every layer's digest verified, nothing visible in
+// dir until all files are complete, and a file an interrupted run left
+// complete and verified is not fetched again. It returns the bytes fetched.
+func UnpackFiles(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, dir string, onBytes func(int64)) (int64, error) {
+	if desc.MediaType != ocispec.MediaTypeImageManifest {
+		return 0, fmt.Errorf("%s is %q, neither a cryo snapshot nor an image manifest: %w", desc.Digest, desc.MediaType, ErrInvalid)
+	}
+	data, err := FetchVerified(ctx, src, desc, MaxManifestSize)
+	if err != nil {
+		return 0, fmt.Errorf("fetch manifest: %w", err)
+	}
+	var m ocispec.Manifest
+	if err := strictUnmarshal(data, &m); err != nil {
+		return 0, fmt.Errorf("decode manifest %s: %v: %w", desc.Digest, err, ErrInvalid)
+	}
+	seen := map[string]bool{}
+	for _, l := range m.Layers {
+		name := l.Annotations[AnnotationTitle]
+		if err := ValidatePath(name); err != nil {
+			return 0, fmt.Errorf("layer %s: %w", l.Digest, err)
+		}
+		if seen[name] {
+			return 0, fmt.Errorf("two layers are named %q: %w", name, ErrInvalid)
+		}
+		seen[name] = true
+		if err := l.Digest.Validate(); err != nil || l.Size < 0 {
+			return 0, fmt.Errorf("layer %q: bad digest or size: %w", name, ErrInvalid)
+		}
+	}
+	if len(seen) == 0 {
+		return 0, fmt.Errorf("manifest %s has no layer named by %s: %w", desc.Digest, AnnotationTitle, ErrInvalid)
+	}
+	partial, unlock, err := openPartial(dir)
+	if err != nil {
+		return 0, err
+	}
+	defer unlock()
+	var fetched int64
+	keep := map[string]bool{}
+	for _, l := range m.Layers {
+		name := l.Annotations[AnnotationTitle]
+		keep[filepath.FromSlash(name)] = true
+		n, err := fetchLayerFile(ctx, src, l, filepath.Join(partial, filepath.FromSlash(name)), onBytes)
+		fetched += n
+		if err != nil {
+			return fetched, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	return fetched, commitPartial(partial, dir, keep)
+}
+
+// fetchLayerFile writes layer l to name, verifying its digest while it
+// streams, unless name already holds exactly that content.
+func fetchLayerFile(ctx context.Context, src content.Fetcher, l ocispec.Descriptor, name string, onBytes func(int64)) (int64, error) {
+	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+		return 0, err
+	}
+	if f, err := os.Open(name); err == nil {
+		info, _ := f.Stat()
+		ok := info.Size() == l.Size && digestOf(f, l.Digest.Algorithm()) == l.Digest
+		f.Close()
+		if ok {
+			if onBytes != nil {
+				onBytes(l.Size)
+			}
+			return 0, nil
+		}
+	}
+	rc, err := src.Fetch(ctx, l)
+	if err != nil {
+		return 0, fmt.Errorf("fetch %s: %w", l.Digest, err)
+	}
+	defer rc.Close()
+	f, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o644)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	h := l.Digest.Algorithm().Hash()
+	var w io.Writer = io.MultiWriter(f, h)
+	if onBytes != nil {
+		w = io.MultiWriter(w, countFunc(onBytes))
+	}
+	n, err := io.Copy(w, io.LimitReader(rc, l.Size+1))
+	if err != nil {
+		return n, fmt.Errorf("fetch %s: %w", l.Digest, err)
+	}
+	got := digest.NewDigest(l.Digest.Algorithm(), h)
+	if n != l.Size || got != l.Digest {
+		os.Remove(name)
+		return n, fmt.Errorf("layer %s: got %d bytes hashing to %s: %w", l.Digest, n, got, ErrDigestMismatch)
+	}
+	if err := f.Sync(); err != nil {
+		return n, err
+	}
+	return n, f.Close()
+}
+
+func digestOf(r io.Reader, alg digest.Algorithm) digest.Digest {
+	if !alg.Available() {
+		return ""
+	}
+	d, err := alg.FromReader(r)
+	if err != nil {
+		return ""
+	}
+	return d
+}
+
+// countFunc is an io.Writer that reports how many bytes pass.
+type countFunc func(int64)
+
+func (c countFunc) Write(b []byte) (int, error) { c(int64(len(b))); return len(b), nil }

@@ -260,4 +260,3 @@ type discardWriter struct{ header http.Header }
 func (d discardWriter) Header() http.Header       { return d.header }
 func (discardWriter) Write(b []byte) (int, error) { return len(b), nil }
 func (discardWriter) WriteHeader(int)             {}
-

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/distribution/distribution/v3/configuration"
+	"github.com/sirupsen/logrus"
 )
 
 // DefaultAddr and DefaultRoot are the embedded default's listen address and
@@ -88,6 +89,25 @@ func validate(cfg *configuration.Configuration) error {
 	}
 	if (cfg.HTTP.TLS.Certificate == "") != (cfg.HTTP.TLS.Key == "") {
 		return fmt.Errorf("http.tls needs both certificate and key")
+	}
+	return nil
+}
+
+// ConfigureLogging applies cfg's log level to distribution's logger (logrus,
+// which is process-wide). The stock registry does this in its own main;
+// an embedding program must do it itself.
+func ConfigureLogging(cfg *configuration.Configuration) error {
+	level := string(cfg.Log.Level)
+	if level == "" {
+		level = "info"
+	}
+	l, err := logrus.ParseLevel(level)
+	if err != nil {
+		return fmt.Errorf("log.level %q: %w", level, err)
+	}
+	logrus.SetLevel(l)
+	if cfg.Log.Formatter == "json" {
+		logrus.SetFormatter(&logrus.JSONFormatter{})
 	}
 	return nil
 }

@@ -11,16 +11,18 @@ import (
 
 func newInspectCmd() *cobra.Command {
 	var asJSON bool
+	var ro remoteOptions
 	cmd := &cobra.Command{
-		Use:   "inspect LAYOUT[:TAG]",
+		Use:   "inspect LAYOUT[:TAG] | REF",
 		Short: "Show a snapshot's files, chunk counts and sizes",
 		Long: `Inspect reads a snapshot's index and chunk tables (not its chunks) and
 prints its metadata and, per file, the size, chunk counts by encoding
-(zero/raw/zstd) and the bytes stored for it.`,
+(zero/raw/zstd) and the bytes stored for it. The argument is an OCI layout
+if one exists at that path, else a registry reference (host/repo:tag).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			store, desc, err := openLayout(ctx, args[0])
+			store, desc, err := openSource(ctx, args[0], &ro)
 			if err != nil {
 				return err
 			}
@@ -56,5 +58,6 @@ prints its metadata and, per file, the size, chunk counts by encoding
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the summary as JSON")
+	ro.register(cmd)
 	return cmd
 }

@@ -37,6 +37,7 @@ A LAYOUT argument is an OCI image layout directory, optionally followed by
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newPackCmd(), newUnpackCmd(), newVerifyCmd(), newInspectCmd())
+	root.AddCommand(newPackCmd(), newUnpackCmd(), newVerifyCmd(), newInspectCmd(),
+		newPushCmd(), newPullCmd(), newCopyCmd(), newLoginCmd(), newRegistryCmd())
 	return root
 }

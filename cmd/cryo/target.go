@@ -45,6 +45,29 @@ func (r layoutRef) String() string {
 	return r.dir + ":" + r.reference
 }
 
+// isLayout reports whether arg names an existing OCI image layout.
+func isLayout(arg string) bool {
+	_, err := os.Stat(parseLayoutRef(arg).dir + "/oci-layout")
+	return err == nil
+}
+
+// openSource opens arg as an OCI layout if one exists there, else as a
+// registry reference, and resolves it.
+func openSource(ctx context.Context, arg string, ro *remoteOptions) (content.ReadOnlyStorage, ocispec.Descriptor, error) {
+	if isLayout(arg) {
+		return openLayout(ctx, arg)
+	}
+	repo, ref, err := ro.repository(arg)
+	if err != nil {
+		return nil, ocispec.Descriptor{}, fmt.Errorf("%s is neither an OCI layout nor a registry reference: %w", arg, err)
+	}
+	desc, err := repo.Resolve(ctx, ref)
+	if err != nil {
+		return nil, ocispec.Descriptor{}, fmt.Errorf("resolve %s: %w", arg, err)
+	}
+	return repo, desc, nil
+}
+
 // openLayout opens an existing OCI layout read-only and resolves the ref.
 func openLayout(ctx context.Context, arg string) (content.ReadOnlyStorage, ocispec.Descriptor, error) {
 	ref := parseLayoutRef(arg)

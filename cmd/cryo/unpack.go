@@ -47,16 +47,18 @@ verified, so DIR never holds a partial or corrupt snapshot.`,
 func newVerifyCmd() *cobra.Command {
 	var concurrency int
 	var asJSON bool
+	var ro remoteOptions
 	cmd := &cobra.Command{
-		Use:   "verify LAYOUT[:TAG]",
+		Use:   "verify LAYOUT[:TAG] | REF",
 		Short: "Check every manifest, chunk table, chunk and file digest of a snapshot",
 		Long: `Verify reads the whole snapshot, decodes every chunk and checks every digest
 and every rule of SPEC.md, writing nothing. It exits non-zero and names the
-first bad file, chunk or blob it finds.`,
+first bad file, chunk or blob it finds. The argument is an OCI layout if one
+exists at that path, else a registry reference.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			store, desc, err := openLayout(ctx, args[0])
+			store, desc, err := openSource(ctx, args[0], &ro)
 			if err != nil {
 				return err
 			}
@@ -74,5 +76,6 @@ first bad file, chunk or blob it finds.`,
 	}
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks fetched and decoded at once (default: number of CPUs)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	ro.register(cmd)
 	return cmd
 }

@@ -1,0 +1,236 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+
+	"github.com/cryo-oci/cryo/registry"
+	"github.com/distribution/distribution/v3/configuration"
+	"github.com/spf13/cobra"
+)
+
+// storeFlags select a registry's storage: the embedded default under --root,
+// or a distribution YAML config.
+type storeFlags struct {
+	root, config, addr string
+	cmd                *cobra.Command
+}
+
+func (f *storeFlags) register(cmd *cobra.Command, withAddr bool) {
+	f.cmd = cmd
+	cmd.Flags().StringVar(&f.root, "root", registry.DefaultRoot, "filesystem storage root of the embedded default configuration")
+	cmd.Flags().StringVar(&f.config, "config", "", "distribution YAML configuration (storage drivers such as s3, redis cache, auth, TLS, notifications); REGISTRY_* environment variables override it")
+	if withAddr {
+		cmd.Flags().StringVar(&f.addr, "addr", registry.DefaultAddr, "listen address")
+	}
+}
+
+func (f *storeFlags) load() (*configuration.Configuration, error) {
+	if f.config == "" {
+		return registry.DefaultConfig(f.root, f.addr)
+	}
+	cfg, err := registry.LoadConfig(f.config)
+	if err != nil {
+		return nil, err
+	}
+	if f.cmd.Flags().Changed("addr") {
+		cfg.HTTP.Addr = f.addr
+	}
+	if f.cmd.Flags().Changed("root") {
+		return nil, fmt.Errorf("--root applies to the embedded default only; set storage in %s", f.config)
+	}
+	return cfg, nil
+}
+
+func (f *storeFlags) open(ctx context.Context) (*registry.Server, error) {
+	if f.addr == "" {
+		f.addr = registry.DefaultAddr
+	}
+	cfg, err := f.load()
+	if err != nil {
+		return nil, err
+	}
+	cfg.Log.Level = "error" // offline maintenance: no request logs, no warnings meant for a server
+	if err := registry.ConfigureLogging(cfg); err != nil {
+		return nil, err
+	}
+	return registry.New(ctx, cfg, registry.Options{})
+}
+
+func newRegistryCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "registry",
+		Short: "Run and maintain cryo's OCI registry",
+		Long: `cryo's registry is distribution's (the CNCF registry, v3) with cryo's additions:
+the OCI 1.1 referrers API, a chunk index that lets pushers skip chunks the
+registry already holds in another encoding or repository, and Prometheus
+metrics of stored bytes and the dedup ratio. Any OCI client can use it.`,
+	}
+	cmd.AddCommand(newRegistryServeCmd(), newRegistryGCCmd(), newRegistryStatsCmd())
+	return cmd
+}
+
+func newRegistryServeCmd() *cobra.Command {
+	var (
+		sf                    storeFlags
+		mirrorOf, metricsAddr string
+	)
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Serve the registry",
+		Long: `Serve runs the registry. Without --config it uses the embedded default:
+filesystem storage under --root, deletes enabled, listening on --addr (plain
+HTTP). With --config it takes a distribution YAML configuration for storage
+(filesystem, s3, ...), redis, auth (htpasswd, token), TLS and notifications,
+exactly as the stock registry does.
+
+--mirror-of URL makes it a pull-through cache of another registry (a regional
+mirror): pulls are served from local storage, fetched from URL on a miss;
+pushes are refused. Prometheus metrics are served on --metrics-addr.`,
+		Example: `  cryo registry serve
+  cryo registry serve --addr 0.0.0.0:5000 --root /var/lib/cryo-registry
+  cryo registry serve --config /etc/cryo/registry.yaml
+  cryo registry serve --mirror-of https://registry-eu.example.com --root /var/cache/cryo-mirror`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			cfg, err := sf.load()
+			if err != nil {
+				return err
+			}
+			if mirrorOf != "" {
+				if err := registry.SetMirrorOf(cfg, mirrorOf); err != nil {
+					return err
+				}
+			}
+			if err := registry.ConfigureLogging(cfg); err != nil {
+				return err
+			}
+			srv, err := registry.New(ctx, cfg, registry.Options{DistributionMetrics: true, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+			if err != nil {
+				return err
+			}
+			defer srv.Close()
+			ln, err := net.Listen("tcp", cfg.HTTP.Addr)
+			if err != nil {
+				return fmt.Errorf("listen: %w", err)
+			}
+			var mln net.Listener
+			if metricsAddr != "" {
+				if mln, err = net.Listen("tcp", metricsAddr); err != nil {
+					return fmt.Errorf("listen for metrics: %w", err)
+				}
+			}
+			scheme := "http"
+			if cfg.HTTP.TLS.Certificate != "" {
+				scheme = "https"
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "cryo registry listening on %s://%s (storage: %s)", scheme, ln.Addr(), cfg.Storage.Type())
+			if mirrorOf != "" || cfg.Proxy.RemoteURL != "" {
+				fmt.Fprintf(cmd.OutOrStdout(), ", mirror of %s", cfg.Proxy.RemoteURL)
+			}
+			if mln != nil {
+				fmt.Fprintf(cmd.OutOrStdout(), ", metrics on http://%s/metrics", mln.Addr())
+			}
+			fmt.Fprintln(cmd.OutOrStdout())
+			return srv.Serve(ctx, ln, mln)
+		},
+	}
+	sf.register(cmd, true)
+	cmd.Flags().StringVar(&mirrorOf, "mirror-of", "", "run as a pull-through cache (mirror) of the registry at this URL")
+	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "127.0.0.1:5001", "listen address of the Prometheus /metrics endpoint (empty: none)")
+	return cmd
+}
+
+func newRegistryGCCmd() *cobra.Command {
+	var (
+		sf                     storeFlags
+		dryRun, deleteUntagged bool
+		asJSON                 bool
+	)
+	cmd := &cobra.Command{
+		Use:   "gc",
+		Short: "Delete blobs no manifest references (mark and sweep)",
+		Long: `GC runs distribution's mark-and-sweep garbage collection over the registry's
+storage: every blob not referenced by a manifest is deleted, then chunk index
+and referrers entries that point at deleted content are dropped. Chunks
+shared with snapshots that remain are kept.
+
+To delete a snapshot, delete its tag (or its index by digest) through the
+registry API, then run gc with --delete-untagged, which also removes
+manifests no tag reaches, with everything only they reference. Like
+distribution, gc must not run while pushes happen: stop the registry or put it
+in read-only mode (storage.maintenance.readonly) first.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			srv, err := sf.open(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer srv.Close()
+			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged})
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), res)
+			}
+			if dryRun {
+				fmt.Fprintf(cmd.OutOrStdout(), "dry run: nothing deleted (%d blobs, %s stored)\n", res.BlobsBefore, humanBytes(res.BlobBytesBefore))
+				return nil
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "gc: %d of %d blobs deleted, %s freed, %s remain; %d chunk index and %d referrer entries dropped\n",
+				res.BlobsBefore-res.BlobsAfter, res.BlobsBefore, humanBytes(res.BlobBytesBefore-res.BlobBytesAfter), humanBytes(res.BlobBytesAfter),
+				res.ChunkIndexPruned, res.ReferrersPruned)
+			return nil
+		},
+	}
+	sf.register(cmd, false)
+	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be deleted, delete nothing")
+	cmd.Flags().BoolVar(&deleteUntagged, "delete-untagged", false, "also delete manifests that no tag reaches (and untagged referrers)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
+
+func newRegistryStatsCmd() *cobra.Command {
+	var (
+		sf     storeFlags
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:   "stats",
+		Short: "Show what the registry stores and how much dedup saves",
+		Long: `Stats walks the registry's storage (the same figures the running registry
+exports as cryo_registry_* metrics) and prints the blobs and bytes stored, the
+snapshots and their logical size, and the dedup ratio: logical bytes of all
+snapshots per byte of stored chunk blobs.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			srv, err := sf.open(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer srv.Close()
+			st, err := srv.Stats(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), map[string]any{"stats": st, "dedupRatio": st.DedupRatio()})
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "repositories  %d\n", st.Repositories)
+			fmt.Fprintf(w, "blobs         %d, %s\n", st.Blobs, humanBytes(st.BlobBytes))
+			fmt.Fprintf(w, "snapshots     %d, %s logical\n", st.Snapshots, humanBytes(st.LogicalBytes))
+			fmt.Fprintf(w, "chunk blobs   %d, %s\n", st.ChunkBlobs, humanBytes(st.ChunkBlobBytes))
+			fmt.Fprintf(w, "dedup ratio   %.2fx (logical / stored chunk bytes)\n", st.DedupRatio())
+			return nil
+		},
+	}
+	sf.register(cmd, false)
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}

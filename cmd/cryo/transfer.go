@@ -1,0 +1,213 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/progress"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/spf13/cobra"
+)
+
+func newPushCmd() *cobra.Command {
+	var (
+		ro           remoteOptions
+		concurrency  int
+		asJSON       bool
+		noChunkIndex bool
+	)
+	cmd := &cobra.Command{
+		Use:   "push DIR REF",
+		Short: "Pack a checkpoint image dir straight into a registry",
+		Long: `Push chunks and encodes the image dir DIR on the fly (no copy of the image on
+disk) and uploads, in parallel, only the chunk blobs the registry does not
+have: it asks a cryo registry's chunk index first (a chunk stored there in
+another encoding or repository is reused), then checks each blob with HEAD.
+The snapshot index is pushed last and tagged, so an interrupted push leaves no
+visible snapshot; pushing again uploads only what is still missing.
+
+REF is host[:port]/repository[:tag] (default tag "latest"). Credentials come
+from Docker's config and credential helpers (see cryo login), or -u/-p.`,
+		Example: `  cryo push /tmp/img localhost:5000/myapp:v1`,
+		Args:    cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			repo, tag, err := ro.repository(args[1])
+			if err != nil {
+				return err
+			}
+			total, err := transfer.DirSize(args[0])
+			if err != nil {
+				return fmt.Errorf("image dir: %w", err)
+			}
+			bar := progress.New(os.Stderr, "push", total)
+			res, err := transfer.Push(ctx, args[0], repo, tag, transfer.PushOptions{
+				Pack:         format.PackOptions{Concurrency: concurrency},
+				OnBytes:      bar.Add,
+				NoChunkIndex: noChunkIndex,
+			})
+			bar.Finish()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), res)
+			}
+			st := res.Stats
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "pushed %s to %s\n", args[0], args[1])
+			fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
+			fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
+			fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
+			fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
+			fmt.Fprintf(w, "  took       %.2fs (%.0f MB/s logical)\n", res.Seconds, float64(st.LogicalBytes)/1e6/res.Seconds)
+			return nil
+		},
+	}
+	ro.register(cmd)
+	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x CPUs)")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
+
+func newPullCmd() *cobra.Command {
+	var (
+		ro          remoteOptions
+		concurrency int
+		asJSON      bool
+	)
+	cmd := &cobra.Command{
+		Use:   "pull REF DIR",
+		Short: "Download a snapshot into an image dir, verified and resumable",
+		Long: `Pull downloads the snapshot REF into DIR (which must not exist or be empty),
+fetching chunks in parallel and verifying every chunk and file digest. Files
+are written into a hidden .DIR.cryo-partial next to DIR and moved into place
+only when complete: after an interruption, run the same pull again and the
+chunks already on disk (re-verified) are not fetched again.
+
+REF may also be a plain artifact of whole files, as written by
+  oras push REF checkpoint.img pages_meta.img pages.img
+so builders can start without cryo.`,
+		Example: `  cryo pull localhost:5000/myapp:v1 /tmp/img
+  runsc restore --image-path=/tmp/img ...`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			repo, ref, err := ro.repository(args[0])
+			if err != nil {
+				return err
+			}
+			bar := progress.New(os.Stderr, "pull", 0)
+			res, err := transfer.Pull(ctx, repo, ref, args[1], transfer.PullOptions{Concurrency: concurrency, OnBytes: bar.Add})
+			bar.Finish()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), res)
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "pulled %s (%s) into %s\n", args[0], res.Descriptor.Digest, args[1])
+			fmt.Fprintf(w, "  logical    %s\n", humanBytes(res.LogicalBytes))
+			fmt.Fprintf(w, "  fetched    %s (%s of logical)", humanBytes(res.FetchedBytes), percent(res.FetchedBytes, res.LogicalBytes))
+			if res.ReusedBytes > 0 {
+				fmt.Fprintf(w, ", %s already on disk from an interrupted pull", humanBytes(res.ReusedBytes))
+			}
+			fmt.Fprintf(w, "\n  took       %.2fs (%.0f MB/s logical)\n", res.Seconds, float64(res.LogicalBytes)/1e6/res.Seconds)
+			return nil
+		},
+	}
+	ro.register(cmd)
+	cmd.Flags().IntVar(&concurrency, "concurrency", 8, "chunks fetched at once")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
+
+func newCopyCmd() *cobra.Command {
+	var (
+		ro          remoteOptions
+		concurrency int
+		asJSON      bool
+	)
+	cmd := &cobra.Command{
+		Use:   "copy SRC DST",
+		Short: "Replicate a snapshot between registries",
+		Long: `Copy copies the snapshot SRC (index, manifests, chunk tables, chunk blobs) to
+DST, skipping everything DST already has. Within one registry, blobs are
+cross-repository mounted instead of transferred. The index is written last,
+so DST never shows a partial snapshot. Both registries use the same
+--plain-http and credentials settings.`,
+		Example: `  cryo copy registry-eu.example.com/app:v1 registry-us.example.com/app:v1`,
+		Args:    cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			src, srcRef, err := ro.repository(args[0])
+			if err != nil {
+				return err
+			}
+			dst, dstRef, err := ro.repository(args[1])
+			if err != nil {
+				return err
+			}
+			res, err := transfer.Copy(cmd.Context(), src, srcRef, dst, dstRef, concurrency)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), res)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "copied %s to %s (%s): %d objects copied (%s), %d mounted, %d already there, in %.2fs\n",
+				args[0], args[1], res.Descriptor.Digest, res.Copied, humanBytes(res.CopiedBytes), res.Mounted, res.Skipped, res.Seconds)
+			return nil
+		},
+	}
+	ro.register(cmd)
+	cmd.Flags().IntVar(&concurrency, "concurrency", 8, "objects copied at once")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
+
+func newLoginCmd() *cobra.Command {
+	var (
+		ro            remoteOptions
+		passwordStdin bool
+	)
+	cmd := &cobra.Command{
+		Use:   "login REGISTRY",
+		Short: "Log in to a registry and store the credentials for cryo, docker and oras",
+		Long: `Login checks the credentials against REGISTRY and saves them in Docker's
+config (~/.docker/config.json, or its credential helper), where cryo, docker
+and oras all find them.`,
+		Example: `  echo "$TOKEN" | cryo login registry.example.com -u ci --password-stdin`,
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			password := ro.password
+			if passwordStdin {
+				line, err := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
+				if err != nil && err != io.EOF {
+					return fmt.Errorf("read password from stdin: %w", err)
+				}
+				password = strings.TrimRight(line, "\r\n")
+			}
+			if ro.username == "" || password == "" {
+				return fmt.Errorf("need --username and --password or --password-stdin")
+			}
+			var plain *bool
+			if cmd.Flags().Changed("plain-http") {
+				plain = &ro.plainHTTP
+			}
+			if err := transfer.Login(cmd.Context(), args[0], ro.username, password, plain); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "logged in to %s\n", args[0])
+			return nil
+		},
+	}
+	ro.register(cmd)
+	cmd.Flags().BoolVar(&passwordStdin, "password-stdin", false, "read the password from standard input")
+	return cmd
+}
