@@ -36,6 +36,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/cryo-oci/cryo/internal/testenv"
 	"io"
 	"os"
 	"os/exec"
@@ -101,13 +102,9 @@ while True:
     time.sleep(0.15)
 `
 
-// skipOrFatal skips the test, or fails it when CI=true.
 func skipOrFatal(t testing.TB, format string, args ...any) {
 	t.Helper()
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("CI=true, so not skipping: "+format, args...)
-	}
-	t.Skipf(format, args...)
+	testenv.SkipOrFatal(t, format, args...)
 }
 
 // Runsc returns the path of the pinned runsc: $CRYO_RUNSC if set, else
@@ -136,42 +133,8 @@ func Runsc(t testing.TB) string {
 	return path
 }
 
-// RepoRoot returns the nearest directory at or above the working directory
-// whose go.mod declares module ModulePath.
-func RepoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", fmt.Errorf("finding repo root: %w", err)
-	}
-	for {
-		data, err := os.ReadFile(filepath.Join(dir, "go.mod"))
-		if err == nil && modulePath(data) == ModulePath {
-			return dir, nil
-		}
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
-			return "", fmt.Errorf("finding repo root: %w", err)
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", fmt.Errorf("finding repo root: no go.mod of module %s above the working directory", ModulePath)
-		}
-		dir = parent
-	}
-}
-
-// modulePath returns the module path declared by a go.mod, or "".
-func modulePath(gomod []byte) string {
-	for _, line := range strings.Split(string(gomod), "\n") {
-		line = strings.TrimSpace(line)
-		rest, ok := strings.CutPrefix(line, "module")
-		if !ok || rest == "" || (rest[0] != ' ' && rest[0] != '\t') {
-			continue
-		}
-		rest, _, _ = strings.Cut(rest, "//")
-		return strings.Trim(strings.TrimSpace(rest), `"`+"`")
-	}
-	return ""
-}
+// RepoRoot returns the repo root (see testenv.RepoRoot).
+func RepoRoot() (string, error) { return testenv.RepoRoot() }
 
 // RunscVersion returns the version that runsc reports ("runsc version X"),
 // which is also the runsc_version its checkpoints record and restore
