@@ -79,14 +79,15 @@ func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) (
 	return buf, nil
 }
 
-// ChunkFunc receives a file's chunks in order with their verified bytes.
-// local says the bytes came from the local copy given to ReadFile rather
-// than from the store. data is only valid during the call.
+// ChunkFunc receives a file's chunks with their verified bytes. local says
+// the bytes came from the local copy given to ReadFile rather than from the
+// store. data is only valid during the call. ReadFile calls it from several
+// goroutines at once, in no particular order (a writer uses WriteAt).
 type ChunkFunc func(c Chunk, data []byte, local bool) error
 
-// ReadFile streams file f of a snapshot to fn, chunk by chunk in file order,
-// fetching and verifying chunks in parallel, and finally checks the whole
-// file's sha256. If local is not nil, a chunk whose bytes it already holds
+// ReadFile fetches and verifies the chunks of file f in parallel and hands
+// each to fn, while the whole file's sha256 is computed in file order and
+// checked at the end. If local is not nil, a chunk whose bytes it already holds
 // (verified against the chunk's digest) is taken from it instead of being
 // fetched: that is how an interrupted unpack resumes. fn sees only verified
 // chunks, but it sees them before the file digest is checked: a caller that
@@ -112,7 +113,7 @@ func (r *Reader) ReadFile(ctx context.Context, f *File, local io.ReaderAt, fn Ch
 		}
 		return nil
 	}
-	work := func(ctx context.Context, c Chunk) (result, error) {
+	fetch := func(ctx context.Context, c Chunk) (result, error) {
 		bp := r.bufs.Get().(*[]byte)
 		if local != nil {
 			if data, ok := r.localChunk(local, c, *bp); ok {
@@ -128,10 +129,23 @@ func (r *Reader) ReadFile(ctx context.Context, f *File, local io.ReaderAt, fn Ch
 		*bp = data
 		return result{c, bp, false}, nil
 	}
+	// fn runs in the workers, so writes proceed in parallel; only the
+	// file hash, which needs file order, runs in the sink.
+	work := func(ctx context.Context, c Chunk) (result, error) {
+		res, err := fetch(ctx, c)
+		if err != nil {
+			return res, err
+		}
+		if err := fn(res.c, *res.buf, res.local); err != nil {
+			r.bufs.Put(res.buf)
+			return result{}, err
+		}
+		return res, nil
+	}
 	sink := func(res result) error {
-		defer r.bufs.Put(res.buf)
 		h.Write(*res.buf)
-		return fn(res.c, *res.buf, res.local)
+		r.bufs.Put(res.buf)
+		return nil
 	}
 	if err := ordered.Map(ctx, r.concurrency, 2*r.concurrency+2, produce, work, sink); err != nil {
 		return err

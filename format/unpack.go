@@ -8,6 +8,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/opencontainers/go-digest"
@@ -20,9 +22,9 @@ type UnpackOptions struct {
 	// Concurrency is how many chunks are fetched and decoded at once
 	// (default GOMAXPROCS).
 	Concurrency int
-	// OnChunk, if set, is called in file order for every chunk written,
-	// with fetched false for chunks that were already on disk from an
-	// interrupted run and for zero chunks.
+	// OnChunk, if set, is called for every chunk written, from several
+	// goroutines and in no particular order, with fetched false for chunks
+	// that were already on disk from an interrupted run and for zero chunks.
 	OnChunk func(c Chunk, fetched bool)
 }
 
@@ -180,8 +182,10 @@ func writeFile(ctx context.Context, r *Reader, root string, f *File, st *UnpackS
 	if resumed {
 		local = fh
 	}
+	var mu sync.Mutex
 	err = r.ReadFile(ctx, f, local, func(c Chunk, data []byte, fromLocal bool) error {
 		if c.Encoding != EncodingZero {
+			mu.Lock()
 			if fromLocal {
 				st.ChunksReused++
 				st.ReusedBytes += c.Size
@@ -189,6 +193,7 @@ func writeFile(ctx context.Context, r *Reader, root string, f *File, st *UnpackS
 				st.ChunksFetched++
 				st.FetchedBytes += c.BlobSize
 			}
+			mu.Unlock()
 		}
 		if onChunk != nil {
 			onChunk(c, !fromLocal && c.Encoding != EncodingZero)
@@ -256,10 +261,12 @@ func Verify(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, c
 	st := &VerifyStats{}
 	for i := range snap.Files {
 		f := &snap.Files[i]
-		if err := r.ReadFile(ctx, f, nil, func(Chunk, []byte, bool) error { st.Chunks++; return nil }); err != nil {
+		var chunks atomic.Int64
+		if err := r.ReadFile(ctx, f, nil, func(Chunk, []byte, bool) error { chunks.Add(1); return nil }); err != nil {
 			return snap, st, err
 		}
 		st.Files++
+		st.Chunks += int(chunks.Load())
 		st.LogicalBytes += f.Size
 	}
 	return snap, st, nil

@@ -16,9 +16,10 @@ import (
 // that several Servers can live in one process. /metrics serves them
 // together with distribution's (process-wide) HTTP metrics.
 type metrics struct {
-	reg          *prometheus.Registry
-	bytesServed  *prometheus.CounterVec
-	chunkLookups *prometheus.CounterVec
+	reg           *prometheus.Registry
+	bytesServed   *prometheus.CounterVec
+	bytesReceived *prometheus.CounterVec
+	chunkLookups  *prometheus.CounterVec
 }
 
 func newMetrics(s *Server) *metrics {
@@ -28,12 +29,16 @@ func newMetrics(s *Server) *metrics {
 			Name: "cryo_registry_response_bytes_total",
 			Help: "Bytes of HTTP response bodies served, by kind of object (blob, manifest, other).",
 		}, []string{"kind"}),
+		bytesReceived: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cryo_registry_request_bytes_total",
+			Help: "Bytes of HTTP request bodies received (uploads), by kind of object (blob, manifest, other).",
+		}, []string{"kind"}),
 		chunkLookups: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cryo_registry_chunk_index_lookups_total",
 			Help: "Chunk index lookups by result (hit: some blob carries the chunk; miss).",
 		}, []string{"result"}),
 	}
-	m.reg.MustRegister(m.bytesServed, m.chunkLookups, &statsCollector{server: s, ttl: 30 * time.Second})
+	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
 }
 
@@ -52,8 +57,11 @@ func (m *metrics) instrument(h http.Handler) http.Handler {
 			kind = "manifest"
 		}
 		cw := &countingWriter{ResponseWriter: w}
+		cr := &countingReader{ReadCloser: r.Body}
+		r.Body = cr
 		h.ServeHTTP(cw, r)
 		m.bytesServed.WithLabelValues(kind).Add(float64(cw.n))
+		m.bytesReceived.WithLabelValues(kind).Add(float64(cr.n))
 	})
 }
 
@@ -90,6 +98,18 @@ func (c *countingWriter) Flush() {
 
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (c *countingWriter) Unwrap() http.ResponseWriter { return c.ResponseWriter }
+
+// countingReader counts request body bytes.
+type countingReader struct {
+	io.ReadCloser
+	n int64
+}
+
+func (c *countingReader) Read(b []byte) (int, error) {
+	n, err := c.ReadCloser.Read(b)
+	c.n += int64(n)
+	return n, err
+}
 
 // statsCollector exports storage statistics, computed at most once per ttl
 // because they walk the storage.

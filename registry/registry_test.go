@@ -549,4 +549,3 @@ func TestStatsCountDedup(t *testing.T) {
 		}
 	}
 }
-

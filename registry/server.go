@@ -124,6 +124,11 @@ func (s *Server) routes() http.Handler {
 			s.handleReferrers(w, r, m[1], m[2])
 			return
 		}
+		if m := blobPath.FindStringSubmatch(r.URL.Path); m != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+			if s.serveBlobFile(w, r, m[1], m[2]) {
+				return
+			}
+		}
 		if m := manifestPath.FindStringSubmatch(r.URL.Path); m != nil && r.Method == http.MethodPut {
 			s.handleManifestPut(w, r, m[1], m[2])
 			return

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -36,6 +37,27 @@ A LAYOUT argument is an OCI image layout directory, optionally followed by
 :TAG (default "latest") or @DIGEST.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+	}
+	var cpuProfile string
+	var profileFile *os.File
+	root.PersistentFlags().StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of the command to this file")
+	root.PersistentFlags().MarkHidden("cpuprofile")
+	root.PersistentPreRunE = func(cmd *cobra.Command, args []string) error {
+		if cpuProfile == "" {
+			return nil
+		}
+		f, err := os.Create(cpuProfile)
+		if err != nil {
+			return err
+		}
+		profileFile = f
+		return pprof.StartCPUProfile(f)
+	}
+	root.PersistentPostRun = func(cmd *cobra.Command, args []string) {
+		if profileFile != nil {
+			pprof.StopCPUProfile()
+			profileFile.Close()
+		}
 	}
 	root.AddCommand(newPackCmd(), newUnpackCmd(), newVerifyCmd(), newInspectCmd(),
 		newPushCmd(), newPullCmd(), newCopyCmd(), newLoginCmd(), newRegistryCmd())
