@@ -2,6 +2,7 @@ package format
 
 import (
 	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"runtime"
@@ -96,6 +97,24 @@ func (c *Codec) Encode(data, dst []byte) (Chunk, []byte) {
 	return c.Compress(ch, data, dst)
 }
 
+// Verify checks that data holds exactly chunk c's bytes: its size and
+// sha256 (or all zeros for a zero chunk).
+func (c *Codec) Verify(ch Chunk, data []byte) error {
+	if int64(len(data)) != ch.Size {
+		return fmt.Errorf("chunk %s: %d bytes, want %d: %w", ch.Digest, len(data), ch.Size, ErrDigestMismatch)
+	}
+	if ch.Encoding == EncodingZero {
+		if !isZero(data) {
+			return fmt.Errorf("zero chunk at offset %d holds non-zero bytes: %w", ch.Offset, ErrDigestMismatch)
+		}
+		return nil
+	}
+	if got := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(data)); got != ch.Digest {
+		return fmt.Errorf("chunk %s: content hashes to %s: %w", ch.Digest, got, ErrDigestMismatch)
+	}
+	return nil
+}
+
 // Decode turns a chunk's blob back into its bytes, appended to dst[:0], and
 // verifies their size and sha256 against the table entry. A zero chunk needs
 // no blob. Nothing is returned that was not verified.
@@ -135,15 +154,15 @@ func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
 	default:
 		return nil, fmt.Errorf("chunk at offset %d: unknown encoding %q: %w", ch.Offset, ch.Encoding, ErrInvalid)
 	}
-	if got := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(out)); got != ch.Digest {
-		return nil, fmt.Errorf("chunk %s: content hashes to %s: %w", ch.Digest, got, ErrDigestMismatch)
+	if err := c.Verify(ch, out); err != nil {
+		return nil, err
 	}
 	return out, nil
 }
 
 func hexSHA256(b []byte) string {
 	sum := sha256.Sum256(b)
-	return fmt.Sprintf("%x", sum[:])
+	return hex.EncodeToString(sum[:])
 }
 
 // isZero reports whether b holds only zero bytes.

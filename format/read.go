@@ -46,6 +46,14 @@ func (r *Reader) FetchChunk(ctx context.Context, c Chunk, dst []byte) ([]byte, e
 	if c.Encoding == EncodingZero {
 		return r.codec.Decode(c, nil, dst)
 	}
+	if c.Encoding == EncodingRaw {
+		// The blob is the chunk: read it straight into dst, verify in place.
+		blob, err := fetchExact(ctx, r.src, c, dst)
+		if err != nil {
+			return nil, err
+		}
+		return blob, r.codec.Verify(c, blob)
+	}
 	bp := r.bufs.Get().(*[]byte)
 	defer r.bufs.Put(bp)
 	blob, err := fetchExact(ctx, r.src, c, *bp)
@@ -169,8 +177,5 @@ func (r *Reader) localChunk(local io.ReaderAt, c Chunk, buf []byte) ([]byte, boo
 		return buf, false
 	}
 	clear(buf[n:])
-	if c.Encoding == EncodingZero {
-		return buf, isZero(buf)
-	}
-	return buf, digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(buf)) == c.Digest
+	return buf, r.codec.Verify(c, buf) == nil
 }

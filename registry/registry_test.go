@@ -549,3 +549,44 @@ func TestStatsCountDedup(t *testing.T) {
 		}
 	}
 }
+
+// TestBlobServing checks the sendfile fast path against what distribution
+// does: full GET, HEAD, Range, and a blob that exists in the registry but is
+// not linked in the repository asked for (404, as distribution answers).
+func TestBlobServing(t *testing.T) {
+	reg := startRegistry(t, "")
+	data := bytes.Repeat([]byte("cryo blob "), 1000)
+	d := digest.FromBytes(data)
+	if resp := uploadBlob(t, reg, "a", d, data); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("upload: %s", resp.Status)
+	}
+	get := func(method, repo, rng string) (*http.Response, []byte) {
+		req, _ := http.NewRequest(method, reg.http.URL+"/v2/"+repo+"/blobs/"+d.String(), nil)
+		if rng != "" {
+			req.Header.Set("Range", rng)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, body
+	}
+	resp, body := get(http.MethodGet, "a", "")
+	if resp.StatusCode != http.StatusOK || !bytes.Equal(body, data) || resp.Header.Get("Docker-Content-Digest") != d.String() {
+		t.Fatalf("GET: %s, %d bytes, digest header %q", resp.Status, len(body), resp.Header.Get("Docker-Content-Digest"))
+	}
+	resp, body = get(http.MethodHead, "a", "")
+	if resp.StatusCode != http.StatusOK || resp.ContentLength != int64(len(data)) || len(body) != 0 {
+		t.Fatalf("HEAD: %s, length %d", resp.Status, resp.ContentLength)
+	}
+	resp, body = get(http.MethodGet, "a", "bytes=10-19")
+	if resp.StatusCode != http.StatusPartialContent || !bytes.Equal(body, data[10:20]) {
+		t.Fatalf("Range: %s %q", resp.Status, body)
+	}
+	resp, _ = get(http.MethodGet, "b", "")
+	if resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("blob not linked in b: %s", resp.Status)
+	}
+}

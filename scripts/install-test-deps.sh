@@ -4,7 +4,10 @@
 #     package is missing),
 #   - bin/oras: the oras CLI at ORAS_VERSION,
 #   - bin/runsc: built from the gVisor version pinned in conformance/gvisor
-#     by scripts/build-runsc.sh, rebuilt when bin/.runsc.stamp is stale.
+#     by scripts/build-runsc.sh, rebuilt when bin/.runsc.stamp is stale,
+#   - bin/oci-conformance: the OCI distribution-spec conformance runner pinned
+#     in conformance/tools, built by scripts/build-oci-conformance.sh, rebuilt
+#     when bin/.oci-conformance.stamp is stale.
 # Idempotent: a second run only checks. bin/ is git-ignored.
 set -euo pipefail
 
@@ -63,4 +66,14 @@ if [[ -x "$BIN/runsc" && "$have" == "$want" ]]; then
 else
 	say "building bin/runsc (stamp ${have:-none} != $want)"
 	"$REPO/scripts/build-runsc.sh"
+fi
+
+# --- oci-conformance --------------------------------------------------------
+want=$("$REPO/scripts/build-oci-conformance.sh" --stamp)
+have=$(cat "$BIN/.oci-conformance.stamp" 2>/dev/null || true)
+if [[ -x "$BIN/oci-conformance" && "$have" == "$want" ]]; then
+	say "bin/oci-conformance: $(go version -m "$BIN/oci-conformance" | awk '$1 == "mod" {print $3}') (up to date)"
+else
+	say "building bin/oci-conformance (stamp ${have:-none} != $want)"
+	"$REPO/scripts/build-oci-conformance.sh"
 fi
