@@ -1,7 +1,8 @@
 # cryo: ship gVisor checkpoints as chunked, deduplicated OCI artifacts.
 #
 #   make demo    build cryo, pack a synthetic image dir, inspect, unpack, verify
-#   make test    install what tests need (fuse3, oras, runsc, staticcheck), lint, run every test
+#   make test    install what tests need (fuse3, oras, runsc, oci-conformance, staticcheck), lint, run every test
+#   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
 #   make bench   the format benchmarks (pack throughput, dedup); results go in docs/benchmarks.md
 
 SHELL      := /bin/bash
@@ -12,7 +13,7 @@ DEMO_DIR   ?= $(CURDIR)/out/demo
 DEMO_SIZE  ?= 268435456
 FUZZTIME   ?= 10s
 
-.PHONY: all build runsc deps lint test test-go fuzz bench demo clean
+.PHONY: all build runsc deps lint test test-go conformance fuzz bench demo clean
 
 all: build
 
@@ -32,8 +33,11 @@ lint: deps
 
 # Tests that need root, FUSE or runsc skip with a printed reason on a laptop
 # and fail instead of skipping when CI=true.
-test-go:
+test-go: build
 	$(GO) test -count=1 ./...
+
+conformance: build deps
+	$(GO) test -count=1 -v -run '^TestOCIDistributionSpec$$' ./conformance
 
 fuzz:
 	$(GO) test ./format -run '^$$' -fuzz '^FuzzParseTable$$' -fuzztime $(FUZZTIME)

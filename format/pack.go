@@ -384,7 +384,7 @@ func (p *packer) storeChunk(ctx context.Context, data []byte) (Chunk, error) {
 	uploaded := false
 	if p.firstUse(c) {
 		var err error
-		if uploaded, err = p.pushIfMissing(ctx, blobDescriptor(c), blob); err != nil {
+		if uploaded, err = p.pushIfMissing(ctx, c.BlobDescriptor(), blob); err != nil {
 			return c, fmt.Errorf("store chunk %s (blob %s): %w", c.Digest, c.Blob, err)
 		}
 		p.count(uploaded, c.BlobSize)
@@ -532,7 +532,7 @@ func partLayers(chunks []Chunk) []ocispec.Descriptor {
 			continue
 		}
 		seen[c.Blob] = true
-		layers = append(layers, blobDescriptor(c))
+		layers = append(layers, c.BlobDescriptor())
 	}
 	return layers
 }

@@ -71,7 +71,7 @@ func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) (
 	if c.BlobSize <= 0 || c.BlobSize > MaxChunkSize {
 		return buf, fmt.Errorf("chunk %s: blob of %d bytes: %w", c.Digest, c.BlobSize, ErrInvalid)
 	}
-	desc := blobDescriptor(c)
+	desc := c.BlobDescriptor()
 	rc, err := src.Fetch(ctx, desc)
 	if err != nil {
 		return buf, fmt.Errorf("fetch chunk %s (blob %s): %w", c.Digest, c.Blob, err)

@@ -223,12 +223,6 @@ type PartTable struct {
 	Table *Table
 }
 
-// BlobDescriptor returns the descriptor of chunk i's blob, as listed in the
-// manifest's layers. It must not be called for zero chunks.
-func (pt *PartTable) BlobDescriptor(i int) ocispec.Descriptor {
-	return blobDescriptor(pt.Table.Chunks[i])
-}
-
 // LoadPart fetches, verifies and validates the manifest and chunk table of
 // one part of f. Nothing of other files or parts is read.
 func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*PartTable, error) {

@@ -213,7 +213,7 @@ func validSHA256(d digest.Digest) error {
 	return nil
 }
 
-// blobDescriptor is the descriptor of chunk c's blob.
-func blobDescriptor(c Chunk) ocispec.Descriptor {
+// BlobDescriptor is the descriptor of the blob of non-zero chunk c.
+func (c Chunk) BlobDescriptor() ocispec.Descriptor {
 	return ocispec.Descriptor{MediaType: c.MediaType(), Digest: c.Blob, Size: c.BlobSize}
 }

@@ -20,7 +20,9 @@ const (
 
 // DefaultConfig returns the embedded default: filesystem storage under root,
 // deletes enabled (so snapshots can be deleted and garbage-collected),
-// listening on addr.
+// listening on addr. Manifests may reference layers by http(s) URL
+// (non-distributable layers), which the OCI distribution spec lets clients
+// push; distribution's own default refuses them with a 500.
 func DefaultConfig(root, addr string) (*configuration.Configuration, error) {
 	yaml := fmt.Sprintf(`version: 0.1
 log:
@@ -37,6 +39,11 @@ storage:
       enabled: false
 http:
   addr: %q
+validation:
+  manifests:
+    urls:
+      allow:
+        - '^https?://'
 `, root, addr)
 	return parseConfig([]byte(yaml), "embedded default")
 }

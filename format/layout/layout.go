@@ -6,13 +6,11 @@ package layout
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 
-	"golang.org/x/sys/unix"
+	"github.com/cryo-oci/cryo/internal/atomicfile"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content/oci"
@@ -52,48 +50,8 @@ func (s *Store) WriteBlob(_ context.Context, desc ocispec.Descriptor, data []byt
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("write blob %s: %w", desc.Digest, err)
 	}
-	if err := writeAtomic(dir, target, data); err != nil {
+	if err := atomicfile.Write(dir, target, data, 0o444); err != nil {
 		return fmt.Errorf("write blob %s: %w", desc.Digest, err)
 	}
 	return nil
-}
-
-// writeAtomic makes target hold data, appearing only when complete. On Linux
-// it writes an unnamed O_TMPFILE inode and links it into place: one
-// directory operation per blob instead of a create and a rename, which
-// matters when a pack writes a thousand blobs per GiB into one directory.
-// Elsewhere, or where the filesystem lacks O_TMPFILE, it writes a temporary
-// file and renames it.
-func writeAtomic(dir, target string, data []byte) error {
-	fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_WRONLY|unix.O_CLOEXEC, 0o444)
-	if err == nil {
-		f := os.NewFile(uintptr(fd), target)
-		defer f.Close()
-		if _, err := f.Write(data); err != nil {
-			return err
-		}
-		err = unix.Linkat(unix.AT_FDCWD, fmt.Sprintf("/proc/self/fd/%d", fd), unix.AT_FDCWD, target, unix.AT_SYMLINK_FOLLOW)
-		if errors.Is(err, fs.ErrExist) {
-			return nil // written meanwhile by someone else: same content
-		}
-		return err
-	}
-	tmp, err := os.CreateTemp(dir, ".tmp-*")
-	if err != nil {
-		return err
-	}
-	_, err = tmp.Write(data)
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Chmod(tmp.Name(), 0o444)
-	}
-	if err == nil {
-		err = os.Rename(tmp.Name(), target)
-	}
-	if err != nil {
-		os.Remove(tmp.Name())
-	}
-	return err
 }

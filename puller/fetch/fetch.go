@@ -1,0 +1,359 @@
+// Package fetch is the puller's chunk fetch scheduler. Demand reads (a
+// sandbox faulting on memory that is not local yet) jump the queue;
+// everything else is prefetched in the background, in the order given
+// (ascending offsets, or a prefetch list). A bounded pool of workers keeps
+// several fetches in flight over keep-alive connections; each chunk is
+// tried on an ordered list of endpoints (mirrors first, then the primary),
+// verified before it is stored or served, and retried with backoff until a
+// deadline: gVisor kills a sandbox on a read error, so a read must wait
+// rather than fail fast.
+package fetch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/cache"
+	"github.com/opencontainers/go-digest"
+	"oras.land/oras-go/v2/content"
+)
+
+// Endpoint is one place a chunk's blob can be fetched from.
+type Endpoint struct {
+	// Name identifies the endpoint in logs, errors and metrics.
+	Name string
+	// Store fetches blobs, e.g. an oras-go remote.Repository.
+	Store content.Fetcher
+}
+
+// Options tune a Scheduler.
+type Options struct {
+	// Workers is how many chunks are fetched at once (default 12: the thaw
+	// measurements found 12 readers beat 128).
+	Workers int
+	// Deadline bounds how long one chunk is retried before its read fails
+	// (default 5 minutes).
+	Deadline time.Duration
+	// Backoff is the first retry delay, doubled up to 5 s (default 100 ms).
+	Backoff time.Duration
+	// Logger receives retries and failures. Default: slog.Default().
+	Logger *slog.Logger
+	// Metrics, if set, receives counters and latencies.
+	Metrics *Metrics
+	// KeepLog records every fetch in order, for tests (Log).
+	KeepLog bool
+}
+
+// LogEntry is one fetch, as recorded with Options.KeepLog.
+type LogEntry struct {
+	Digest   digest.Digest
+	Offset   int64
+	Demand   bool
+	Endpoint string
+}
+
+// Scheduler fetches chunks into a node cache.
+type Scheduler struct {
+	endpoints []Endpoint
+	cache     *cache.Store
+	codec     *format.Codec
+	opts      Options
+
+	mu       sync.Mutex
+	cond     *sync.Cond
+	demand   []*call
+	prefetch []*call
+	calls    map[digest.Digest]*call
+	closed   bool
+	log      []LogEntry
+
+	wg sync.WaitGroup
+}
+
+// call is one chunk being fetched; waiters block on done.
+type call struct {
+	chunk   format.Chunk
+	demand  bool
+	started bool
+	done    chan struct{}
+	data    []byte // verified bytes, kept only for demand waiters
+	err     error
+}
+
+// ErrClosed is returned for fetches after Close.
+var ErrClosed = errors.New("fetch scheduler closed")
+
+// New starts a Scheduler with its workers.
+func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options) *Scheduler {
+	if opts.Workers <= 0 {
+		opts.Workers = 12
+	}
+	if opts.Deadline <= 0 {
+		opts.Deadline = 5 * time.Minute
+	}
+	if opts.Backoff <= 0 {
+		opts.Backoff = 100 * time.Millisecond
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[digest.Digest]*call{}}
+	s.cond = sync.NewCond(&s.mu)
+	for range opts.Workers {
+		s.wg.Add(1)
+		go s.worker()
+	}
+	return s
+}
+
+// Close stops the workers; queued fetches fail with ErrClosed.
+func (s *Scheduler) Close() {
+	s.mu.Lock()
+	s.closed = true
+	for _, q := range [][]*call{s.demand, s.prefetch} {
+		for _, c := range q {
+			if !c.started {
+				c.err = ErrClosed
+				close(c.done)
+				delete(s.calls, c.chunk.Digest)
+			}
+		}
+	}
+	s.demand, s.prefetch = nil, nil
+	s.cond.Broadcast()
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+// Log returns the fetches made so far, in the order they started.
+func (s *Scheduler) Log() []LogEntry {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]LogEntry(nil), s.log...)
+}
+
+// Get returns chunk c's verified bytes, from the cache or fetched now ahead
+// of every prefetch. Zero chunks need no fetch.
+func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
+	if c.Encoding == format.EncodingZero {
+		return s.codec.Decode(c, nil, buf)
+	}
+	if data, err := s.cache.Get(c.Digest, buf, false); err == nil {
+		s.opts.Metrics.cacheHit()
+		return data, nil
+	}
+	s.opts.Metrics.cacheMiss()
+	start := time.Now()
+	cl, err := s.enqueue(c, true)
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-cl.done:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	s.opts.Metrics.demandLatency(time.Since(start))
+	if cl.err != nil {
+		return nil, cl.err
+	}
+	if cl.data != nil {
+		return append(buf[:0], cl.data...), nil
+	}
+	// Fetched by a prefetch that finished first: it is in the cache.
+	return s.cache.Get(c.Digest, buf, false)
+}
+
+// Prefetch queues chunks for background fetching, in the order given,
+// behind any demand fetch. Chunks already cached, queued or zero are
+// skipped. Wait reports completion.
+func (s *Scheduler) Prefetch(chunks []format.Chunk) []*Pending {
+	var out []*Pending
+	for _, c := range chunks {
+		if c.Encoding == format.EncodingZero || s.cache.Has(c.Digest) {
+			continue
+		}
+		cl, err := s.enqueue(c, false)
+		if err != nil {
+			break
+		}
+		out = append(out, &Pending{c: cl})
+	}
+	return out
+}
+
+// Pending is a queued prefetch.
+type Pending struct{ c *call }
+
+// Wait blocks until the chunk is fetched (or failed) and returns its error.
+func (p *Pending) Wait(ctx context.Context) error {
+	select {
+	case <-p.c.done:
+		return p.c.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Chunk is the chunk the prefetch is for.
+func (p *Pending) Chunk() format.Chunk { return p.c.chunk }
+
+func (s *Scheduler) enqueue(c format.Chunk, demand bool) (*call, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	if cl, ok := s.calls[c.Digest]; ok {
+		if demand && !cl.demand {
+			// Promote a queued prefetch: it goes to the demand queue; the
+			// worker that meets it in the prefetch queue skips it.
+			cl.demand = true
+			if !cl.started {
+				s.demand = append(s.demand, cl)
+				s.cond.Signal()
+			}
+		}
+		return cl, nil
+	}
+	cl := &call{chunk: c, demand: demand, done: make(chan struct{})}
+	s.calls[c.Digest] = cl
+	if demand {
+		s.demand = append(s.demand, cl)
+	} else {
+		s.prefetch = append(s.prefetch, cl)
+	}
+	s.cond.Signal()
+	return cl, nil
+}
+
+// next takes the next call to run: demand first, then prefetch in order.
+func (s *Scheduler) next() *call {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for {
+		if s.closed {
+			return nil
+		}
+		for len(s.demand) > 0 {
+			cl := s.demand[0]
+			s.demand = s.demand[1:]
+			if !cl.started {
+				cl.started = true
+				s.record(cl)
+				return cl
+			}
+		}
+		for len(s.prefetch) > 0 {
+			cl := s.prefetch[0]
+			s.prefetch = s.prefetch[1:]
+			if !cl.started {
+				cl.started = true
+				s.record(cl)
+				return cl
+			}
+		}
+		s.cond.Wait()
+	}
+}
+
+func (s *Scheduler) record(cl *call) {
+	if s.opts.KeepLog {
+		s.log = append(s.log, LogEntry{Digest: cl.chunk.Digest, Offset: cl.chunk.Offset, Demand: cl.demand})
+	}
+}
+
+func (s *Scheduler) worker() {
+	defer s.wg.Done()
+	var buf []byte
+	for {
+		cl := s.next()
+		if cl == nil {
+			return
+		}
+		data, err := s.fetch(cl.chunk, buf)
+		if err == nil {
+			err = s.cache.PutVerified(cl.chunk.Digest, data)
+		}
+		s.mu.Lock()
+		if err == nil && cl.demand {
+			cl.data = append([]byte(nil), data...)
+		}
+		cl.err = err
+		delete(s.calls, cl.chunk.Digest)
+		close(cl.done)
+		s.mu.Unlock()
+		buf = data
+	}
+}
+
+// fetch gets and verifies one chunk, trying every endpoint in order, again
+// and again with backoff, until the deadline. If every endpoint served bad
+// data in one round, it gives up at once: that will not get better.
+func (s *Scheduler) fetch(c format.Chunk, buf []byte) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.opts.Deadline)
+	defer cancel()
+	backoff := s.opts.Backoff
+	var errs []string
+	for attempt := 1; ; attempt++ {
+		corrupt := 0
+		errs = errs[:0]
+		for _, ep := range s.endpoints {
+			data, err := s.fetchFrom(ctx, ep, c, buf)
+			if err == nil {
+				s.opts.Metrics.fetched(ep.Name, c.BlobSize)
+				if s.opts.KeepLog {
+					s.mu.Lock()
+					for i := len(s.log) - 1; i >= 0; i-- {
+						if s.log[i].Digest == c.Digest {
+							s.log[i].Endpoint = ep.Name
+							break
+						}
+					}
+					s.mu.Unlock()
+				}
+				return data, nil
+			}
+			if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) {
+				corrupt++
+				s.opts.Metrics.verifyFailed(ep.Name)
+			}
+			errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
+			s.opts.Logger.Warn("fetch chunk", "chunk", c.Digest, "endpoint", ep.Name, "attempt", attempt, "err", err)
+		}
+		if corrupt == len(s.endpoints) {
+			return nil, fmt.Errorf("chunk %s (blob %s) failed verification from every endpoint: %s", c.Digest, c.Blob, strings.Join(errs, "; "))
+		}
+		wait := backoff/2 + rand.N(backoff)
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return nil, fmt.Errorf("chunk %s (blob %s) not fetched within %s after %d rounds: %s", c.Digest, c.Blob, s.opts.Deadline, attempt, strings.Join(errs, "; "))
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, c format.Chunk, buf []byte) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	desc := c.BlobDescriptor()
+	rc, err := ep.Store.Fetch(ctx, desc)
+	if err != nil {
+		return nil, err
+	}
+	defer rc.Close()
+	blob := make([]byte, c.BlobSize)
+	if _, err := io.ReadFull(rc, blob); err != nil {
+		return nil, fmt.Errorf("read blob %s: %w", c.Blob, err)
+	}
+	return s.codec.Decode(c, blob, buf)
+}

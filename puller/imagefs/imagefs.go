@@ -1,0 +1,214 @@
+// Package imagefs presents a snapshot as a read-only FUSE filesystem that
+// runsc can restore from (--image-path). Small files are held in memory,
+// fetched and verified before the mount is ready; large files (pages.img)
+// are served lazily: a read of bytes that are not local yet blocks until the
+// chunks covering them are fetched, decompressed and verified, ahead of the
+// background prefetch. Reads run concurrently without a global lock: each
+// resolves its chunks by binary search and reads them from the node cache
+// with pread.
+package imagefs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/cache"
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+)
+
+// File is a file of the image dir.
+type File struct {
+	// Path is slash-separated, relative to the mount point.
+	Path string
+	// Size and Mode as recorded in the snapshot.
+	Size int64
+	Mode uint32
+	// Data holds a small file's verified bytes; nil for a lazy file.
+	Data []byte
+	// Chunks are a lazy file's chunks in offset order (all parts).
+	Chunks []format.Chunk
+}
+
+// Source supplies verified chunk bytes on demand.
+type Source interface {
+	// Get returns chunk c's bytes (fetching them now if needed), appended
+	// to buf[:0].
+	Get(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error)
+}
+
+// Stats count what the filesystem served.
+type Stats struct {
+	Reads       atomic.Int64
+	BytesServed atomic.Int64
+	// DemandChunks counts chunk reads that missed the node cache and
+	// waited for a fetch.
+	DemandChunks atomic.Int64
+}
+
+// FS is the root of an image filesystem.
+type FS struct {
+	fs.Inode
+	files []File
+	cache *cache.Store
+	src   Source
+	stats *Stats
+	bufs  sync.Pool
+}
+
+var _ = (fs.NodeOnAdder)((*FS)(nil))
+
+// New returns the root of a filesystem holding files, whose lazy chunks are
+// read from c or, on a miss, from src.
+func New(files []File, c *cache.Store, src Source, stats *Stats) *FS {
+	f := &FS{files: files, cache: c, src: src, stats: stats}
+	f.bufs.New = func() any { return new([]byte) }
+	return f
+}
+
+// OnAdd builds the directory tree.
+func (f *FS) OnAdd(ctx context.Context) {
+	for i := range f.files {
+		file := &f.files[i]
+		dir, base := path.Split(file.Path)
+		p := &f.Inode
+		for _, comp := range strings.Split(strings.Trim(dir, "/"), "/") {
+			if comp == "" {
+				continue
+			}
+			ch := p.GetChild(comp)
+			if ch == nil {
+				ch = p.NewPersistentInode(ctx, &fs.Inode{}, fs.StableAttr{Mode: fuse.S_IFDIR})
+				p.AddChild(comp, ch, true)
+			}
+			p = ch
+		}
+		node := &fileNode{fs: f, file: file}
+		p.AddChild(base, p.NewPersistentInode(ctx, node, fs.StableAttr{Mode: fuse.S_IFREG}), true)
+	}
+}
+
+// fileNode is one file of the image.
+type fileNode struct {
+	fs.Inode
+	fs   *FS
+	file *File
+}
+
+var (
+	_ = (fs.NodeGetattrer)((*fileNode)(nil))
+	_ = (fs.NodeOpener)((*fileNode)(nil))
+	_ = (fs.NodeReader)((*fileNode)(nil))
+)
+
+func (n *fileNode) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	out.Mode = fuse.S_IFREG | (n.file.Mode & 0o555)
+	out.Size = uint64(n.file.Size)
+	out.Blocks = (out.Size + 511) / 512
+	out.Nlink = 1
+	out.SetTimeout(time.Hour)
+	return 0
+}
+
+func (n *fileNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
+	if flags&(syscall.O_WRONLY|syscall.O_RDWR|syscall.O_TRUNC|syscall.O_APPEND) != 0 {
+		return nil, 0, syscall.EROFS
+	}
+	if n.file.Data != nil {
+		return nil, fuse.FOPEN_KEEP_CACHE, 0
+	}
+	// Lazy files bypass the kernel page cache: the node cache already holds
+	// the bytes, and runsc reads each page once.
+	return nil, fuse.FOPEN_DIRECT_IO, 0
+}
+
+func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	n.fs.stats.Reads.Add(1)
+	if off >= n.file.Size {
+		return fuse.ReadResultData(nil), 0
+	}
+	dest = dest[:min(int64(len(dest)), n.file.Size-off)]
+	if n.file.Data != nil {
+		copy(dest, n.file.Data[off:])
+	} else if err := n.fs.readChunks(ctx, n.file, dest, off); err != nil {
+		// Never serve unverified or partial data: fail the read. The fetch
+		// scheduler has already retried until its deadline.
+		return nil, syscall.EIO
+	}
+	n.fs.stats.BytesServed.Add(int64(len(dest)))
+	return fuse.ReadResultData(dest), 0
+}
+
+// readChunks fills dest with the file's bytes at off.
+func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64) error {
+	chunks := file.Chunks
+	i := sort.Search(len(chunks), func(i int) bool { return chunks[i].End() > off })
+	done := 0
+	for done < len(dest) {
+		if i >= len(chunks) {
+			return fmt.Errorf("%s: no chunk at offset %d", file.Path, off+int64(done))
+		}
+		c := chunks[i]
+		pos := off + int64(done) - c.Offset
+		part := dest[done:min(len(dest), done+int(c.Size-pos))]
+		if err := f.readChunk(ctx, c, part, pos); err != nil {
+			return err
+		}
+		done += len(part)
+		i++
+	}
+	return nil
+}
+
+// readChunk fills p with chunk c's bytes from offset pos within it.
+func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64) error {
+	if c.Encoding == format.EncodingZero {
+		clear(p)
+		return nil
+	}
+	if _, err := f.cache.ReadAt(c.Digest, p, pos); err == nil {
+		return nil
+	} else if !errors.Is(err, cache.ErrNotFound) {
+		return err
+	}
+	f.stats.DemandChunks.Add(1)
+	bp := f.bufs.Get().(*[]byte)
+	defer f.bufs.Put(bp)
+	data, err := f.src.Get(ctx, c, *bp)
+	if err != nil {
+		return err
+	}
+	*bp = data
+	copy(p, data[pos:])
+	return nil
+}
+
+// MountOptions are the FUSE options an image filesystem is mounted with:
+// large reads (1 MiB), many requests in flight, long attribute timeouts
+// (nothing ever changes), read-only.
+func MountOptions(name string) *fs.Options {
+	timeout := time.Hour
+	return &fs.Options{
+		EntryTimeout: &timeout,
+		AttrTimeout:  &timeout,
+		MountOptions: fuse.MountOptions{
+			FsName:        name,
+			Name:          "cryo",
+			MaxWrite:      1 << 20,
+			MaxReadAhead:  1 << 20,
+			MaxBackground: 128,
+			AllowOther:    true,
+			DirectMount:   true,
+			Options:       []string{"ro"},
+		},
+	}
+}
