@@ -1,7 +1,7 @@
-// Package conformance checks cryo against real third-party binaries: the
-// oras CLI, the stock CNCF distribution registry, runsc. Nothing is mocked:
-// every test runs bin/cryo, bin/oras or bin/registry as a subprocess against
-// real registries on loopback ports.
+// Interop tests: cryo with the oras CLI, the stock distribution registry,
+// a corrupt or crashing registry and htpasswd auth, all real binaries run as
+// subprocesses against registries on loopback ports.
+
 package conformance
 
 import (
@@ -525,8 +525,8 @@ func TestCryoPullsOrasPushedFiles(t *testing.T) {
 	var pulled pullResult
 	tl.cryoJSON(t, &pulled, "pull", ref, out)
 	t.Logf("pull of an oras artifact: %+v", pulled)
-	if pulled.Kind != "files" {
-		t.Errorf("pull of an oras artifact: kind %q, want %q", pulled.Kind, "files")
+	if pulled.Kind != "files" || pulled.Files != 3 {
+		t.Errorf("pull of an oras artifact: kind %q, %d files; want %q, 3 files", pulled.Kind, pulled.Files, "files")
 	}
 	// oras records no file modes, so only names and bytes are compared.
 	sameTree(t, src, out, false)

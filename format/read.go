@@ -82,7 +82,7 @@ func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) (
 	}
 	buf = buf[:c.BlobSize]
 	if _, err := io.ReadFull(rc, buf); err != nil {
-		return buf, fmt.Errorf("fetch chunk %s (blob %s): read %d bytes: %v: %w", c.Digest, c.Blob, c.BlobSize, err, ErrDigestMismatch)
+		return buf, fmt.Errorf("fetch chunk %s (blob %s): read %d bytes: %w", c.Digest, c.Blob, c.BlobSize, err)
 	}
 	return buf, nil
 }

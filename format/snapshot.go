@@ -313,7 +313,7 @@ func FetchVerified(ctx context.Context, src content.Fetcher, desc ocispec.Descri
 	defer rc.Close()
 	data := make([]byte, desc.Size)
 	if _, err := io.ReadFull(rc, data); err != nil {
-		return nil, fmt.Errorf("%s: read %d bytes: %v: %w", desc.Digest, desc.Size, err, ErrDigestMismatch)
+		return nil, fmt.Errorf("%s: read %d bytes: %w", desc.Digest, desc.Size, err)
 	}
 	if n, _ := rc.Read(make([]byte, 1)); n > 0 {
 		return nil, fmt.Errorf("%s: more than %d bytes: %w", desc.Digest, desc.Size, ErrDigestMismatch)

@@ -77,3 +77,6 @@ else
 	say "building bin/oci-conformance (stamp ${have:-none} != $want)"
 	"$REPO/scripts/build-oci-conformance.sh"
 fi
+
+# --- registry (stock distribution, for the interop tests) --------------------
+"$REPO/scripts/build-registry.sh"

@@ -47,7 +47,7 @@ func Copy(ctx context.Context, src *remote.Repository, srcRef string, dst *remot
 	}
 	desc, err := oras.Copy(ctx, src, srcRef, dst, dstRef, opts)
 	if err != nil {
-		return nil, fmt.Errorf("copy %s to %s: %w", src.Reference, dst.Reference, err)
+		return nil, explain(fmt.Errorf("copy %s to %s: %w", src.Reference, dst.Reference, err), dst)
 	}
 	return &CopyResult{Descriptor: desc, Copied: copied.Load(), CopiedBytes: bytes.Load(), Skipped: skipped.Load(), Mounted: mounted.Load(), Seconds: time.Since(start).Seconds()}, nil
 }

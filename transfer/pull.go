@@ -41,7 +41,7 @@ func Pull(ctx context.Context, repo *remote.Repository, ref, dir string, opts Pu
 	}
 	desc, err := repo.Resolve(ctx, ref)
 	if err != nil {
-		return nil, fmt.Errorf("resolve %s: %w", ref, err)
+		return nil, explain(fmt.Errorf("resolve %s: %w", repo.Reference, err), repo)
 	}
 	res := &PullResult{Descriptor: desc}
 	switch desc.MediaType {
@@ -52,17 +52,17 @@ func Pull(ctx context.Context, repo *remote.Repository, ref, dir string, opts Pu
 		}
 		snap, st, err := format.Unpack(ctx, repo, desc, dir, uopts)
 		if err != nil {
-			return nil, fmt.Errorf("pull %s: %w", ref, err)
+			return nil, explain(fmt.Errorf("pull %s: %w", repo.Reference, err), repo)
 		}
 		res.Kind, res.Files, res.LogicalBytes = "cryo", len(snap.Files), snap.LogicalSize()
 		res.FetchedBytes, res.ReusedBytes = st.FetchedBytes, st.ReusedBytes
 	default:
 		n, err := format.UnpackFiles(ctx, repo, desc, dir, opts.OnBytes)
 		if err != nil {
-			return nil, fmt.Errorf("pull %s: %w", ref, err)
+			return nil, explain(fmt.Errorf("pull %s: %w", repo.Reference, err), repo)
 		}
-		size, _ := DirSize(dir)
-		res.Kind, res.LogicalBytes, res.FetchedBytes = "files", size, n
+		files, size, _ := dirStats(dir)
+		res.Kind, res.Files, res.LogicalBytes, res.FetchedBytes = "files", files, size, n
 	}
 	res.Seconds = time.Since(start).Seconds()
 	return res, nil

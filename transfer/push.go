@@ -49,7 +49,7 @@ func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, 
 	}
 	desc, st, err := format.Pack(ctx, dir, repo, popts)
 	if err != nil {
-		return nil, fmt.Errorf("push %s: %w", dir, err)
+		return nil, explain(fmt.Errorf("push %s to %s: %w", dir, repo.Reference, err), repo)
 	}
 	if err := repo.Tag(ctx, desc, tag); err != nil {
 		return nil, fmt.Errorf("tag %s: %w", tag, err)
@@ -63,8 +63,13 @@ func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, 
 
 // DirSize is the total size of the regular files under dir.
 func DirSize(dir string) (int64, error) {
-	var n int64
-	err := filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
+	_, n, err := dirStats(dir)
+	return n, err
+}
+
+// dirStats counts the regular files under dir and their total size.
+func dirStats(dir string) (files int, size int64, err error) {
+	err = filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -73,9 +78,10 @@ func DirSize(dir string) (int64, error) {
 			if err != nil {
 				return err
 			}
-			n += info.Size()
+			files++
+			size += info.Size()
 		}
 		return nil
 	})
-	return n, err
+	return files, size, err
 }

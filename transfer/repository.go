@@ -7,6 +7,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -17,6 +18,7 @@ import (
 	"oras.land/oras-go/v2/registry/remote"
 	"oras.land/oras-go/v2/registry/remote/auth"
 	"oras.land/oras-go/v2/registry/remote/credentials"
+	"oras.land/oras-go/v2/registry/remote/errcode"
 	"oras.land/oras-go/v2/registry/remote/retry"
 )
 
@@ -135,4 +137,16 @@ func Login(ctx context.Context, host, username, password string, plainHTTP *bool
 		return fmt.Errorf("login to %s: %w", host, err)
 	}
 	return nil
+}
+
+// explain adds a hint to errors that mean the registry wants credentials.
+func explain(err error, repo *remote.Repository) error {
+	if err == nil {
+		return nil
+	}
+	var resp *errcode.ErrorResponse
+	if errors.Is(err, auth.ErrBasicCredentialNotFound) || (errors.As(err, &resp) && resp.StatusCode == http.StatusUnauthorized) {
+		return fmt.Errorf("%w\nunauthorized: %s needs credentials: run `cryo login %s` or pass -u and -p", err, repo.Reference.Registry, repo.Reference.Registry)
+	}
+	return err
 }

@@ -60,6 +60,7 @@ A LAYOUT argument is an OCI image layout directory, optionally followed by
 		}
 	}
 	root.AddCommand(newPackCmd(), newUnpackCmd(), newVerifyCmd(), newInspectCmd(),
-		newPushCmd(), newPullCmd(), newCopyCmd(), newLoginCmd(), newRegistryCmd())
+		newPushCmd(), newPullCmd(), newCopyCmd(), newLoginCmd(), newRegistryCmd(),
+		newMountCmd(), newRestoreCmd())
 	return root
 }

@@ -1,0 +1,447 @@
+// Package puller runs on a node and turns a snapshot reference into an image
+// dir that `runsc restore --image-path` can use before the snapshot is
+// downloaded: a FUSE mount (imagefs) whose large files are fetched lazily,
+// demand reads first (fetch), into a node cache shared by every mount
+// (cache). Once every chunk of a snapshot is local, the puller writes it
+// out once as a plain image dir ("materialized"), and later mounts of the
+// same snapshot use that dir with no FUSE in the path. Without FUSE it falls
+// back to an eager, verified pull into such a dir.
+package puller
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/cache"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/imagefs"
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sync/errgroup"
+	"oras.land/oras-go/v2/content"
+)
+
+// Options configure a Puller.
+type Options struct {
+	// CacheDir holds the node cache and materialized image dirs.
+	CacheDir string
+	// CacheCap bounds the node cache in bytes (0: no cap).
+	CacheCap int64
+	// Workers, Deadline: see fetch.Options.
+	Workers  int
+	Deadline time.Duration
+	// NoFUSE forces the eager fallback even where /dev/fuse exists.
+	NoFUSE bool
+	// SmallFileLimit: files other than pages.img up to this size are held
+	// in memory, fetched before the mount is ready (default 64 MiB).
+	SmallFileLimit int64
+	// Logger receives structured logs. Default: slog.Default().
+	Logger *slog.Logger
+	// FetchMetrics, if set, receives fetch metrics.
+	FetchMetrics *fetch.Metrics
+	// KeepFetchLog records every fetch, for tests.
+	KeepFetchLog bool
+}
+
+// Puller mounts snapshots on a node.
+type Puller struct {
+	opts  Options
+	cache *cache.Store
+	codec *format.Codec
+}
+
+// New opens the node cache and returns a Puller.
+func New(opts Options) (*Puller, error) {
+	if opts.CacheDir == "" {
+		return nil, errors.New("puller: no cache dir")
+	}
+	if opts.SmallFileLimit <= 0 {
+		opts.SmallFileLimit = 64 << 20
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	c, err := cache.Open(opts.CacheDir, opts.CacheCap)
+	if err != nil {
+		return nil, err
+	}
+	codec, err := format.NewCodec(0)
+	if err != nil {
+		return nil, err
+	}
+	return &Puller{opts: opts, cache: c, codec: codec}, nil
+}
+
+// Cache returns the node cache.
+func (p *Puller) Cache() *cache.Store { return p.cache }
+
+// Source is where a snapshot comes from: its index descriptor and the
+// endpoints to fetch from, in order of preference (mirrors first).
+type Source struct {
+	Index     ocispec.Descriptor
+	Endpoints []fetch.Endpoint
+}
+
+// FUSEAvailable reports whether this node can mount FUSE filesystems.
+func FUSEAvailable() bool {
+	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err != nil {
+		return false
+	}
+	f.Close()
+	return true
+}
+
+// MaterializedDir is where the plain image dir of snapshot d lives once
+// every chunk of it is local.
+func (p *Puller) MaterializedDir(d digest.Digest) string {
+	return filepath.Join(p.opts.CacheDir, "images", d.Encoded())
+}
+
+// Progress describes a mount.
+type Progress struct {
+	Digest        digest.Digest `json:"digest"`
+	Dir           string        `json:"dir"`
+	Mode          string        `json:"mode"` // "fuse", "materialized" or "eager"
+	TotalBytes    int64         `json:"totalBytes"`
+	LocalBytes    int64         `json:"localBytes"`
+	DemandChunks  int64         `json:"demandChunks"`
+	ReadyAfter    float64       `json:"readySeconds"`
+	LoadedAfter   float64       `json:"loadedSeconds,omitempty"`
+	Loaded        bool          `json:"loaded"`
+	Err           string        `json:"error,omitempty"`
+	FetchedChunks int           `json:"fetchedChunks"`
+}
+
+// Mount is a snapshot made available as an image dir.
+type Mount struct {
+	p       *Puller
+	src     Source
+	snap    *format.Snapshot
+	dir     string
+	mode    string
+	start   time.Time
+	ready   time.Duration
+	server  *fuse.Server
+	sched   *fetch.Scheduler
+	fsStats imagefs.Stats
+	pinned  []digest.Digest
+	files   []imagefs.File
+
+	total  int64
+	local  atomic.Int64
+	loaded chan struct{}
+	mu     sync.Mutex
+	loadAt time.Duration
+	err    error
+	cancel context.CancelFunc
+}
+
+// Mount makes the snapshot available at dir and returns when dir is a
+// complete image dir for runsc restore: small files fetched and verified,
+// large files served lazily. The rest loads in the background; Loaded
+// reports when it is done. An already materialized snapshot is bind-mounted
+// from the node cache instead (no FUSE); without FUSE, Mount pulls eagerly.
+func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
+	m := &Mount{p: p, src: src, dir: dir, start: time.Now(), loaded: make(chan struct{})}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("mount point %s: %w", dir, err)
+	}
+	snap, err := format.LoadSnapshot(ctx, firstFetcher(src.Endpoints), src.Index)
+	if err != nil {
+		return nil, err
+	}
+	m.snap = snap
+	m.total = snap.LogicalSize()
+	if _, err := os.Stat(p.MaterializedDir(src.Index.Digest)); err == nil {
+		if err := bindMount(p.MaterializedDir(src.Index.Digest), dir); err != nil {
+			return nil, err
+		}
+		m.mode = "materialized"
+		m.ready = time.Since(m.start)
+		m.local.Store(m.total)
+		m.finish(nil)
+		return m, nil
+	}
+	bg, cancel := context.WithCancel(context.Background())
+	m.cancel = cancel
+	m.sched = fetch.New(src.Endpoints, p.cache, p.codec, fetch.Options{Workers: p.opts.Workers, Deadline: p.opts.Deadline, Logger: p.opts.Logger, Metrics: p.opts.FetchMetrics, KeepLog: p.opts.KeepFetchLog})
+	files, lazy, err := m.prepare(ctx)
+	if err != nil {
+		m.close()
+		return nil, err
+	}
+	if p.opts.NoFUSE || !FUSEAvailable() {
+		p.opts.Logger.Warn("FUSE unavailable: pulling the whole snapshot before restore", "snapshot", src.Index.Digest)
+		m.mode = "eager"
+		if err := m.loadAll(bg, lazy); err != nil {
+			m.close()
+			return nil, err
+		}
+		if err := bindMount(p.MaterializedDir(src.Index.Digest), dir); err != nil {
+			m.close()
+			return nil, err
+		}
+		m.ready = time.Since(m.start)
+		return m, nil
+	}
+	root := imagefs.New(files, p.cache, m.sched, &m.fsStats)
+	server, err := fs.Mount(dir, root, imagefs.MountOptions("cryo:"+src.Index.Digest.Encoded()[:12]))
+	if err != nil {
+		m.close()
+		return nil, fmt.Errorf("FUSE mount at %s: %w", dir, err)
+	}
+	m.server = server
+	m.mode = "fuse"
+	m.ready = time.Since(m.start)
+	go func() {
+		if err := m.loadAll(bg, lazy); err != nil && bg.Err() == nil {
+			p.opts.Logger.Error("background load failed", "snapshot", src.Index.Digest, "err", err)
+		}
+	}()
+	return m, nil
+}
+
+// prepare loads every chunk table, pins the chunks, and fetches the small
+// files. It returns the files for imagefs and the lazy ones.
+func (m *Mount) prepare(ctx context.Context) ([]imagefs.File, []*imagefs.File, error) {
+	src := firstFetcher(m.src.Endpoints)
+	files := make([]imagefs.File, len(m.snap.Files))
+	tables := make([][]*format.PartTable, len(m.snap.Files))
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(8)
+	for i := range m.snap.Files {
+		f := &m.snap.Files[i]
+		files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode)}
+		tables[i] = make([]*format.PartTable, len(f.Parts))
+		for part := range f.Parts {
+			g.Go(func() error {
+				pt, err := format.LoadPart(gctx, src, f, part)
+				tables[i][part] = pt
+				return err
+			})
+		}
+	}
+	if err := g.Wait(); err != nil {
+		return nil, nil, err
+	}
+	for i := range files {
+		for _, pt := range tables[i] {
+			files[i].Chunks = append(files[i].Chunks, pt.Table.Chunks...)
+		}
+	}
+	m.files = files
+	return m.prepareFiles(ctx, files)
+}
+
+func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]imagefs.File, []*imagefs.File, error) {
+	var lazy []*imagefs.File
+	for i := range files {
+		for _, c := range files[i].Chunks {
+			if c.Encoding != format.EncodingZero {
+				m.pinned = append(m.pinned, c.Digest)
+			}
+		}
+	}
+	m.p.cache.Pin(m.pinned)
+	for i := range files {
+		f := &files[i]
+		if f.Path == format.PagesFile || f.Size > m.p.opts.SmallFileLimit {
+			lazy = append(lazy, f)
+			continue
+		}
+		data := make([]byte, 0, f.Size)
+		for _, c := range f.Chunks {
+			b, err := m.sched.Get(ctx, c, nil)
+			if err != nil {
+				return nil, nil, fmt.Errorf("fetch %s: %w", f.Path, err)
+			}
+			data = append(data, b...)
+		}
+		if got := digest.FromBytes(data); got != m.snap.Files[i].Digest {
+			return nil, nil, fmt.Errorf("%s hashes to %s, snapshot says %s: %w", f.Path, got, m.snap.Files[i].Digest, format.ErrDigestMismatch)
+		}
+		f.Data = data
+		m.local.Add(f.Size)
+	}
+	return files, lazy, nil
+}
+
+// loadAll prefetches every chunk of the lazy files in offset order, then
+// materializes the snapshot.
+func (m *Mount) loadAll(ctx context.Context, lazy []*imagefs.File) error {
+	var pending []*fetch.Pending
+	for _, f := range lazy {
+		pending = append(pending, m.sched.Prefetch(f.Chunks)...)
+		for _, c := range f.Chunks {
+			if c.Encoding == format.EncodingZero || m.p.cache.Has(c.Digest) {
+				m.local.Add(c.Size)
+			}
+		}
+	}
+	for _, pd := range pending {
+		if err := pd.Wait(ctx); err != nil {
+			m.finish(err)
+			return err
+		}
+		m.local.Add(pd.Chunk().Size)
+	}
+	err := m.materialize()
+	m.finish(err)
+	return err
+}
+
+// materialize writes the snapshot as a plain image dir from the node cache,
+// verifying every file's sha256, into a temporary dir renamed into place.
+func (m *Mount) materialize() error {
+	final := m.p.MaterializedDir(m.src.Index.Digest)
+	if _, err := os.Stat(final); err == nil {
+		return nil
+	}
+	tmp := final + ".tmp-" + fmt.Sprint(os.Getpid())
+	os.RemoveAll(tmp)
+	defer os.RemoveAll(tmp)
+	for i := range m.snap.Files {
+		f := &m.snap.Files[i]
+		name := filepath.Join(tmp, filepath.FromSlash(f.Path))
+		if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+			return err
+		}
+		out, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		if err != nil {
+			return err
+		}
+		h := sha256.New()
+		var buf []byte
+		for _, c := range m.files[i].Chunks {
+			if c.Encoding == format.EncodingZero {
+				buf, _ = m.p.codec.Decode(c, nil, buf)
+			} else if buf, err = m.p.cache.Get(c.Digest, buf, false); err != nil {
+				out.Close()
+				return fmt.Errorf("materialize %s: %w", f.Path, err)
+			}
+			h.Write(buf)
+			if c.Encoding != format.EncodingZero {
+				if _, err := out.WriteAt(buf, c.Offset); err != nil {
+					out.Close()
+					return err
+				}
+			}
+		}
+		if got := digest.NewDigestFromBytes(digest.SHA256, h.Sum(nil)); got != f.Digest {
+			out.Close()
+			return fmt.Errorf("materialize %s: hashes to %s, snapshot says %s: %w", f.Path, got, f.Digest, format.ErrDigestMismatch)
+		}
+		if err := out.Truncate(f.Size); err != nil {
+			out.Close()
+			return err
+		}
+		out.Chmod(f.Mode)
+		if err := out.Close(); err != nil {
+			return err
+		}
+	}
+	if err := os.Rename(tmp, final); err != nil && !errors.Is(err, os.ErrExist) {
+		if _, serr := os.Stat(final); serr != nil {
+			return fmt.Errorf("materialize: %w", err)
+		}
+	}
+	return nil
+}
+
+func (m *Mount) finish(err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	select {
+	case <-m.loaded:
+		return
+	default:
+	}
+	m.err = err
+	m.loadAt = time.Since(m.start)
+	close(m.loaded)
+}
+
+// Loaded is closed when every byte of the snapshot is local (or loading
+// failed: see Err).
+func (m *Mount) Loaded() <-chan struct{} { return m.loaded }
+
+// Err is the background load's error, once Loaded is closed.
+func (m *Mount) Err() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.err
+}
+
+// Dir is the image dir.
+func (m *Mount) Dir() string { return m.dir }
+
+// Snapshot is the mounted snapshot.
+func (m *Mount) Snapshot() *format.Snapshot { return m.snap }
+
+// FetchLog returns the fetches made so far (with Options.KeepFetchLog).
+func (m *Mount) FetchLog() []fetch.LogEntry {
+	if m.sched == nil {
+		return nil
+	}
+	return m.sched.Log()
+}
+
+// Progress reports the mount's state.
+func (m *Mount) Progress() Progress {
+	pr := Progress{Digest: m.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.total, LocalBytes: m.local.Load(),
+		DemandChunks: m.fsStats.DemandChunks.Load(), ReadyAfter: m.ready.Seconds()}
+	select {
+	case <-m.loaded:
+		pr.Loaded = true
+		m.mu.Lock()
+		pr.LoadedAfter = m.loadAt.Seconds()
+		if m.err != nil {
+			pr.Err = m.err.Error()
+		}
+		m.mu.Unlock()
+	default:
+	}
+	if m.sched != nil {
+		pr.FetchedChunks = len(m.sched.Log())
+	}
+	return pr
+}
+
+// Unmount stops serving and loading and releases the mount's cache pins.
+func (m *Mount) Unmount() error {
+	var err error
+	if m.server != nil {
+		err = m.server.Unmount()
+	} else if m.mode == "materialized" || m.mode == "eager" {
+		err = unmount(m.dir)
+	}
+	m.close()
+	return err
+}
+
+func (m *Mount) close() {
+	if m.cancel != nil {
+		m.cancel()
+	}
+	if m.sched != nil {
+		m.sched.Close()
+	}
+	m.p.cache.Unpin(m.pinned)
+	m.pinned = nil
+	m.finish(errors.New("unmounted"))
+}
+
+// firstFetcher reads manifests and tables from the first endpoint.
+func firstFetcher(eps []fetch.Endpoint) content.Fetcher { return failover(eps) }
