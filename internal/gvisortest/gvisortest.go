@@ -200,6 +200,9 @@ type App struct {
 	outOff   int64
 	partial  []byte
 	cleaning bool
+	// restoring is the command of the last StartRestoreWith: WaitLine
+	// fails at once if it exited with an error.
+	restoring *RestoreCmd
 }
 
 // StartApp starts the app in a new sandbox and waits for its first hash
@@ -393,6 +396,7 @@ func (a *App) startRun(args ...string) error {
 	}
 	defer stderr.Close()
 	a.outPath, a.errPath, a.outOff, a.partial = outPath, errPath, 0, nil
+	a.restoring = nil
 
 	cmd := a.Command(args...)
 	cmd.Stdout, cmd.Stderr = stdout, stderr
@@ -600,6 +604,16 @@ func (a *App) WaitLine(t testing.TB, pattern string, timeout time.Duration) stri
 		}
 		if found != "" {
 			return found
+		}
+		if rc := a.restoring; rc != nil {
+			select {
+			case <-rc.done:
+				if rc.err != nil {
+					t.Fatalf("gvisortest: waiting for a line matching %q: %v\nstdout (%s):\n%s\nstderr (%s):\n%s",
+						pattern, rc.err, a.outPath, a.tail(a.outPath), a.errPath, a.tail(a.errPath))
+				}
+			default:
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("gvisortest: no line matching %q within %v\nstdout (%s):\n%s\nstderr (%s):\n%s",

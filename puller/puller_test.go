@@ -1,0 +1,434 @@
+package puller
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/registry"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/sirupsen/logrus"
+	"oras.land/oras-go/v2/registry/remote"
+)
+
+func TestMain(m *testing.M) {
+	logrus.SetLevel(logrus.ErrorLevel)
+	os.Exit(m.Run())
+}
+
+// needFUSE skips (or fails under CI=true) without root and /dev/fuse.
+func needFUSE(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		testenv.SkipOrFatal(t, "FUSE mounts need root")
+	}
+	if !FUSEAvailable() {
+		testenv.SkipOrFatal(t, "no /dev/fuse")
+	}
+}
+
+// reg is an in-process registry whose HTTP handler tests can wrap.
+type reg struct {
+	srv  *registry.Server
+	http *httptest.Server
+	root string
+	host string
+	// blobGets counts blob GETs served.
+	blobGets atomic.Int64
+	mu       sync.Mutex
+	delay    time.Duration
+	down     bool
+	corrupt  map[string]bool // blob digests served with a flipped byte
+}
+
+func startReg(t *testing.T) *reg {
+	t.Helper()
+	root := t.TempDir()
+	cfg, err := registry.DefaultConfig(root, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := registry.New(context.Background(), cfg, registry.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &reg{srv: srv, root: root, corrupt: map[string]bool{}}
+	h := srv.Handler()
+	r.http = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		r.mu.Lock()
+		delay, down := r.delay, r.down
+		corrupt := false
+		for d := range r.corrupt {
+			if strings.HasSuffix(req.URL.Path, "/blobs/"+d) {
+				corrupt = true
+			}
+		}
+		r.mu.Unlock()
+		isBlob := strings.Contains(req.URL.Path, "/blobs/sha256:") && req.Method == http.MethodGet
+		if down && isBlob {
+			http.Error(w, "down", http.StatusServiceUnavailable)
+			return
+		}
+		if isBlob {
+			r.blobGets.Add(1)
+			time.Sleep(delay)
+		}
+		if corrupt {
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, req)
+			body := rec.Body.Bytes()
+			if len(body) > 0 {
+				body[len(body)/2] ^= 0xff
+			}
+			for k, v := range rec.Header() {
+				w.Header()[k] = v
+			}
+			w.WriteHeader(rec.Code)
+			w.Write(body)
+			return
+		}
+		h.ServeHTTP(w, req)
+	}))
+	t.Cleanup(func() { r.http.Close(); srv.Close() })
+	r.host = strings.TrimPrefix(r.http.URL, "http://")
+	return r
+}
+
+func (r *reg) set(f func(r *reg)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	f(r)
+}
+
+func (r *reg) repo(t *testing.T, name string) *remote.Repository {
+	t.Helper()
+	repo, _, err := transfer.Repository(r.host+"/"+name, transfer.ClientOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return repo
+}
+
+// push makes a synthetic image dir and pushes it as name:v1.
+func push(t *testing.T, r *reg, name string, kind synth.Kind, size int64, seed uint64) (string, Source) {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
+		t.Fatal(err)
+	}
+	return dir, pushDir(t, r, name, dir)
+}
+
+func pushDir(t *testing.T, r *reg, name, dir string) Source {
+	t.Helper()
+	repo := r.repo(t, name+":v1")
+	res, err := transfer.Push(context.Background(), dir, repo, "v1", transfer.PushOptions{Pack: format.PackOptions{Chunking: smallChunks}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return Source{Index: res.Descriptor, Endpoints: []fetch.Endpoint{{Name: "primary", Store: repo}}}
+}
+
+// smallChunks gives test images many chunks.
+var smallChunks = format.PackOptions{}.Chunking
+
+func init() {
+	smallChunks.Algorithm = "page-cdc"
+	smallChunks.Min, smallChunks.Avg, smallChunks.Max = 64<<10, 256<<10, 1<<20
+}
+
+func newPuller(t *testing.T, opts Options) *Puller {
+	t.Helper()
+	if opts.CacheDir == "" {
+		opts.CacheDir = t.TempDir()
+	}
+	if opts.Deadline == 0 {
+		opts.Deadline = time.Minute
+	}
+	p, err := New(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func mount(t *testing.T, p *Puller, src Source) *Mount {
+	t.Helper()
+	m, err := p.Mount(context.Background(), src, filepath.Join(t.TempDir(), "mnt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Unmount() })
+	return m
+}
+
+func waitLoaded(t *testing.T, m *Mount) {
+	t.Helper()
+	select {
+	case <-m.Loaded():
+		if err := m.Err(); err != nil {
+			t.Fatalf("load: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("not loaded after 60 s")
+	}
+}
+
+func TestConcurrentReadsReturnSourceBytes(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	r.set(func(r *reg) { r.delay = 2 * time.Millisecond })
+	src, s := push(t, r, "app", synth.HalfZero, 32<<20, 1)
+	m := mount(t, newPuller(t, Options{}), s)
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	f, err := os.Open(filepath.Join(m.Dir(), "pages.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var wg sync.WaitGroup
+	errs := make(chan error, 128)
+	for w := range 128 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 1))
+			buf := make([]byte, 256<<10)
+			for range 8 {
+				off := rng.Int64N(int64(len(want))/4096) * 4096
+				n, err := f.ReadAt(buf, off)
+				if err != nil && n == 0 {
+					errs <- err
+					return
+				}
+				if !bytes.Equal(buf[:n], want[off:off+int64(n)]) {
+					errs <- errors.New("bytes differ")
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"checkpoint.img", "pages_meta.img"} {
+		got, _ := os.ReadFile(filepath.Join(m.Dir(), name))
+		exp, _ := os.ReadFile(filepath.Join(src, name))
+		if !bytes.Equal(got, exp) {
+			t.Fatalf("%s differs", name)
+		}
+	}
+	waitLoaded(t, m)
+	got, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("pages.img differs after full load")
+	}
+}
+
+func TestDemandReadsOvertakeBackground(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	r.set(func(r *reg) { r.delay = 20 * time.Millisecond })
+	_, s := push(t, r, "app", synth.Random, 32<<20, 2)
+	p := newPuller(t, Options{KeepFetchLog: true, Workers: 2})
+	m := mount(t, p, s)
+	f, err := os.Open(filepath.Join(m.Dir(), "pages.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	info, _ := f.Stat()
+	buf := make([]byte, 4096)
+	end := info.Size() - 4096
+	if _, err := f.ReadAt(buf, end); err != nil {
+		t.Fatal(err)
+	}
+	log := m.FetchLog()
+	demand := -1
+	for i, e := range log {
+		if e.Demand && e.Offset <= end && end < e.Offset+(1<<20) {
+			demand = i
+			break
+		}
+	}
+	if demand < 0 {
+		t.Fatalf("no demand fetch for offset %d in %d fetches", end, len(log))
+	}
+	// Background fetches go in ascending order; the demand read at the end
+	// of the file must have started before most of them.
+	if demand > len(log)/2 && demand > 8 {
+		t.Fatalf("demand fetch was number %d of %d", demand, len(log))
+	}
+	waitLoaded(t, m)
+	final := m.FetchLog()
+	later := 0
+	for _, e := range final[demand+1:] {
+		if !e.Demand && e.Offset < end {
+			later++
+		}
+	}
+	if later == 0 {
+		t.Fatal("no background fetch of lower offsets came after the demand fetch")
+	}
+}
+
+func TestRegistryOutageMidLoad(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	r.set(func(r *reg) { r.delay = 5 * time.Millisecond })
+	src, s := push(t, r, "app", synth.Random, 24<<20, 3)
+	m := mount(t, newPuller(t, Options{}), s)
+	time.Sleep(100 * time.Millisecond)
+	r.set(func(r *reg) { r.down = true })
+	// A read during the outage blocks, then succeeds once it ends.
+	done := make(chan []byte)
+	go func() {
+		data, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
+		done <- data
+	}()
+	time.Sleep(700 * time.Millisecond)
+	r.set(func(r *reg) { r.down = false })
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	select {
+	case got := <-done:
+		if !bytes.Equal(got, want) {
+			t.Fatal("pages.img differs after the outage")
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("read did not complete after the registry came back")
+	}
+	waitLoaded(t, m)
+}
+
+func TestCorruptBlobFailsOverToMirror(t *testing.T) {
+	needFUSE(t)
+	primary := startReg(t)
+	src, s := push(t, primary, "app", synth.Random, 8<<20, 4)
+	mirror := startReg(t)
+	pushDir(t, mirror, "app", src)
+	// The mirror (tried first) corrupts every chunk blob it serves.
+	snap, _ := format.LoadSnapshot(context.Background(), s.Endpoints[0].Store, s.Index)
+	pt, _ := format.LoadPart(context.Background(), s.Endpoints[0].Store, snap.File("pages.img"), 0)
+	for _, c := range pt.Table.Chunks {
+		mirror.corrupt[c.Blob.String()] = true
+	}
+	s.Endpoints = []fetch.Endpoint{{Name: "mirror", Store: mirror.repo(t, "app")}, s.Endpoints[0]}
+	m := mount(t, newPuller(t, Options{}), s)
+	got, err := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("served bytes differ: corrupt data reached the reader")
+	}
+	if primary.blobGets.Load() == 0 || mirror.blobGets.Load() == 0 {
+		t.Fatalf("blob GETs: mirror %d, primary %d", mirror.blobGets.Load(), primary.blobGets.Load())
+	}
+	waitLoaded(t, m)
+
+	// With every endpoint corrupt, the read fails (EIO) naming nothing
+	// wrong to the reader, and the scheduler's error names the chunk.
+	only := Source{Index: s.Index, Endpoints: s.Endpoints[:1]}
+	m2, err := newPuller(t, Options{Deadline: 2 * time.Second}).Mount(context.Background(), only, filepath.Join(t.TempDir(), "mnt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m2.Unmount()
+	if _, err := os.ReadFile(filepath.Join(m2.Dir(), "pages.img")); err == nil {
+		t.Fatal("read of chunks that are corrupt everywhere succeeded")
+	}
+	<-m2.Loaded()
+	if err := m2.Err(); err == nil || !strings.Contains(err.Error(), "failed verification from every endpoint") || !strings.Contains(err.Error(), "sha256:") {
+		t.Fatalf("load error %v, want one naming the chunk", err)
+	}
+}
+
+func TestSmallCacheNeverBreaksLiveMount(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	srcA, a := push(t, r, "a", synth.Random, 16<<20, 5)
+	_, b := push(t, r, "b", synth.Random, 16<<20, 6)
+	// A cap smaller than one snapshot: pinned chunks must stay anyway.
+	p := newPuller(t, Options{CacheCap: 4 << 20})
+	ma := mount(t, p, a)
+	waitLoaded(t, ma)
+	mb := mount(t, p, b)
+	waitLoaded(t, mb)
+	got, _ := os.ReadFile(filepath.Join(ma.Dir(), "pages.img"))
+	want, _ := os.ReadFile(filepath.Join(srcA, "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("live mount a lost data")
+	}
+	ma.Unmount()
+	mb.Unmount()
+	// With no live mount left, the cap is enforced.
+	if st := p.Cache().Stats(); st.Bytes > 4<<20 || st.Pinned != 0 {
+		t.Fatalf("after unmount: %+v", st)
+	}
+}
+
+func TestSharedChunksFetchedOnce(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	srcA, a := push(t, r, "a", synth.Random, 8<<20, 7)
+	// b = a with its last MiB of pages rewritten.
+	dirB := filepath.Join(t.TempDir(), "b")
+	os.CopyFS(dirB, os.DirFS(srcA))
+	f, _ := os.OpenFile(filepath.Join(dirB, "pages.img"), os.O_RDWR, 0)
+	f.WriteAt(bytes.Repeat([]byte{7, 1, 3}, 1<<18), 7<<20)
+	f.Close()
+	b := pushDir(t, r, "b", dirB)
+	p := newPuller(t, Options{})
+	before := r.blobGets.Load()
+	waitLoaded(t, mount(t, p, a))
+	afterA := r.blobGets.Load()
+	waitLoaded(t, mount(t, p, b))
+	afterB := r.blobGets.Load()
+	if afterB-afterA >= (afterA-before)/2 {
+		t.Fatalf("snapshot b fetched %d blobs after a fetched %d: shared chunks fetched again", afterB-afterA, afterA-before)
+	}
+	// A remount of a uses the materialized dir: nothing is fetched.
+	ma := mount(t, p, a)
+	if ma.Progress().Mode != "materialized" || r.blobGets.Load() != afterB {
+		t.Fatalf("remount: mode %s, %d blobs fetched", ma.Progress().Mode, r.blobGets.Load()-afterB)
+	}
+	got, _ := os.ReadFile(filepath.Join(ma.Dir(), "pages.img"))
+	want, _ := os.ReadFile(filepath.Join(srcA, "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("materialized pages.img differs")
+	}
+}
+
+func TestEagerFallbackWithoutFUSE(t *testing.T) {
+	if os.Geteuid() != 0 {
+		testenv.SkipOrFatal(t, "the fallback bind-mounts, which needs root")
+	}
+	r := startReg(t)
+	src, s := push(t, r, "app", synth.HalfZero, 8<<20, 8)
+	m := mount(t, newPuller(t, Options{NoFUSE: true}), s)
+	if m.Progress().Mode != "eager" || !m.Progress().Loaded {
+		t.Fatalf("progress %+v", m.Progress())
+	}
+	got, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("pages.img differs")
+	}
+}
