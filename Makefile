@@ -3,7 +3,7 @@
 #   make demo    build cryo, pack a synthetic image dir, inspect, unpack, verify
 #   make test    install what tests need (fuse3, oras, runsc, oci-conformance, staticcheck), lint, run every test
 #   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
-#   make bench   the format benchmarks (pack throughput, dedup); results go in docs/benchmarks.md
+#   make bench   benchmarks: pack and dedup, push/pull vs oras, the puller; results go in docs/benchmarks.md
 
 SHELL      := /bin/bash
 GO         ?= go
@@ -45,9 +45,11 @@ fuzz:
 
 test: deps lint test-go fuzz
 
-bench: build
+# Each prints Markdown comparing cryo with the naive path in the same run.
+bench: build deps
 	$(GO) run ./bench/formatbench
-	$(GO) test ./format/... -run '^$$' -bench . -benchtime 3x
+	$(GO) run ./bench/transferbench
+	$(GO) run ./bench/pullerbench
 
 demo: build
 	@rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)

@@ -27,6 +27,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cryo-oci/cryo/internal/progress"
 	"github.com/cryo-oci/cryo/internal/synth"
 )
 
@@ -272,15 +273,4 @@ func waitHTTP(url string) error {
 	return fmt.Errorf("registry did not start")
 }
 
-func human(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
+func human(n int64) string { return progress.Bytes(n) }

@@ -205,4 +205,3 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 func httpError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, map[string]string{"error": msg})
 }
-

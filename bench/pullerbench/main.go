@@ -1,0 +1,196 @@
+// Command pullerbench measures the node puller against the eager paths, in
+// one run, on loopback: a real `cryo registry serve` process holds a
+// synthetic snapshot (random memory) pushed both with cryo and with oras;
+// for each rep, with an empty node cache, it mounts the snapshot with the
+// puller (FUSE) and records the time until the mount is ready, the latency
+// of random 256 KiB reads on the cold cache (p50/p99, the reads a restoring
+// sandbox makes for pages it faults on), and the time until every chunk is
+// local; then, in the same rep, `cryo pull` and `oras pull` of the same
+// snapshot into a fresh dir. Needs root and /dev/fuse. Output is Markdown.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"syscall"
+	"time"
+
+	"github.com/cryo-oci/cryo/internal/progress"
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/transfer"
+)
+
+func main() {
+	size := flag.Int64("size", 1<<30, "size of pages.img in bytes")
+	reps := flag.Int("reps", 3, "repetitions")
+	reads := flag.Int("reads", 64, "random 256 KiB reads per rep, on the cold cache")
+	bin := flag.String("bin", "bin", "directory holding cryo and oras")
+	flag.Parse()
+	if err := run(*size, *reps, *reads, *bin); err != nil {
+		fmt.Fprintln(os.Stderr, "pullerbench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(size int64, reps, reads int, bin string) error {
+	if os.Geteuid() != 0 || !puller.FUSEAvailable() {
+		return fmt.Errorf("needs root and /dev/fuse")
+	}
+	cryo, _ := filepath.Abs(filepath.Join(bin, "cryo"))
+	oras, _ := filepath.Abs(filepath.Join(bin, "oras"))
+	work, err := os.MkdirTemp("/var/tmp", "pullerbench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	addr := freeAddr()
+	reg := exec.Command(cryo, "registry", "serve", "--root", filepath.Join(work, "registry"), "--addr", addr, "--metrics-addr", "")
+	reg.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := reg.Start(); err != nil {
+		return err
+	}
+	defer syscall.Kill(-reg.Process.Pid, syscall.SIGKILL)
+	for i := 0; ; i++ {
+		if resp, err := http.Get("http://" + addr + "/v2/"); err == nil {
+			resp.Body.Close()
+			break
+		}
+		if i > 200 {
+			return fmt.Errorf("registry did not start")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	img := filepath.Join(work, "img")
+	if err := synth.ImageDir(img, synth.Random, size, 1); err != nil {
+		return err
+	}
+	if out, err := exec.Command(cryo, "push", img, addr+"/app:v1").CombinedOutput(); err != nil {
+		return fmt.Errorf("cryo push: %v\n%s", err, out)
+	}
+	c := exec.Command(oras, "push", "--plain-http", addr+"/oras:v1", "checkpoint.img", "pages_meta.img", "pages.img")
+	c.Dir = img
+	if out, err := c.CombinedOutput(); err != nil {
+		return fmt.Errorf("oras push: %v\n%s", err, out)
+	}
+	ctx := context.Background()
+	repo, tag, err := transfer.Repository(addr+"/app:v1", transfer.ClientOptions{})
+	if err != nil {
+		return err
+	}
+	desc, err := repo.Resolve(ctx, tag)
+	if err != nil {
+		return err
+	}
+	src := puller.Source{Index: desc, Endpoints: []fetch.Endpoint{{Name: "primary", Store: repo}}}
+	var ready, loaded, cpull, opull []float64
+	var lat []float64
+	for r := range reps {
+		cacheDir := filepath.Join(work, fmt.Sprintf("cache-%d", r))
+		p, err := puller.New(puller.Options{CacheDir: cacheDir})
+		if err != nil {
+			return err
+		}
+		dropCaches()
+		m, err := p.Mount(ctx, src, filepath.Join(work, fmt.Sprintf("mnt-%d", r)))
+		if err != nil {
+			return err
+		}
+		ready = append(ready, m.Progress().ReadyAfter)
+		f, err := os.Open(filepath.Join(m.Dir(), "pages.img"))
+		if err != nil {
+			return err
+		}
+		rng := rand.New(rand.NewPCG(uint64(r), 2))
+		buf := make([]byte, 256<<10)
+		for range reads {
+			off := rng.Int64N(size/4096-64) * 4096
+			t := time.Now()
+			if _, err := f.ReadAt(buf, off); err != nil {
+				return err
+			}
+			lat = append(lat, time.Since(t).Seconds())
+		}
+		f.Close()
+		<-m.Loaded()
+		if err := m.Err(); err != nil {
+			return err
+		}
+		loaded = append(loaded, m.Progress().LoadedAfter)
+		m.Unmount()
+		os.RemoveAll(cacheDir)
+
+		out := filepath.Join(work, "out")
+		dropCaches()
+		t := time.Now()
+		if o, err := exec.Command(cryo, "pull", addr+"/app:v1", out).CombinedOutput(); err != nil {
+			return fmt.Errorf("cryo pull: %v\n%s", err, o)
+		}
+		cpull = append(cpull, time.Since(t).Seconds())
+		os.RemoveAll(out)
+		os.MkdirAll(out, 0o755)
+		dropCaches()
+		t = time.Now()
+		if o, err := exec.Command(oras, "pull", "--plain-http", "-o", out, addr+"/oras:v1").CombinedOutput(); err != nil {
+			return fmt.Errorf("oras pull: %v\n%s", err, o)
+		}
+		opull = append(opull, time.Since(t).Seconds())
+		os.RemoveAll(out)
+		fmt.Fprintf(os.Stderr, "rep %d: ready %.1f ms, loaded %.2f s, cryo pull %.2f s, oras pull %.2f s\n", r, ready[r]*1000, loaded[r], cpull[r], opull[r])
+	}
+	fmt.Printf("`go run ./bench/pullerbench -size %d -reps %d -reads %d` — GOMAXPROCS=%d, %s, %s\n\n", size, reps, reads, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
+	fmt.Printf("### Node puller, %s random pages.img, registry on loopback, cold node cache, %d reps\n\n", human(size), reps)
+	fmt.Println("| measure | median | min–max |")
+	fmt.Println("|---|--:|--:|")
+	fmt.Printf("| mount ready (ms) | %.1f | %s |\n", 1000*med(ready), spread(ready, 1000, "%.1f"))
+	fmt.Printf("| random 256 KiB read, cold cache, p50 (ms) | %.2f | |\n", 1000*pct(lat, 0.5))
+	fmt.Printf("| random 256 KiB read, cold cache, p99 (ms) | %.2f | |\n", 1000*pct(lat, 0.99))
+	fmt.Printf("| mount fully loaded (s) | %.2f | %s |\n", med(loaded), spread(loaded, 1, "%.2f"))
+	fmt.Printf("| cryo pull (s) | %.2f | %s |\n", med(cpull), spread(cpull, 1, "%.2f"))
+	fmt.Printf("| oras pull (s) | %.2f | %s |\n", med(opull), spread(opull, 1, "%.2f"))
+	fmt.Printf("| fully loaded / cryo pull | %.2f | |\n", med(loaded)/med(cpull))
+	fmt.Printf("| fully loaded / oras pull | %.2f | |\n", med(loaded)/med(opull))
+	fmt.Println("\nThe page cache is dropped before each measurement. The fully loaded time includes writing the materialized image dir that later restores use.")
+	return nil
+}
+
+func dropCaches() {
+	syscall.Sync()
+	os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200)
+}
+
+func med(v []float64) float64 { return pct(v, 0.5) }
+
+func pct(v []float64, p float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	i := int(p * float64(len(s)-1))
+	return s[i]
+}
+
+func spread(v []float64, scale float64, f string) string {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	return fmt.Sprintf(f+"–"+f, s[0]*scale, s[len(s)-1]*scale)
+}
+
+func freeAddr() string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func human(n int64) string { return progress.Bytes(n) }
