@@ -91,14 +91,13 @@ func (e *restoreEnv) push(t *testing.T, img, ref string) string {
 
 // restoreCommand is `cryo restore` of ref for app, with the app's global
 // runsc flags and bundle, and runsc as given.
-func (e *restoreEnv) restoreCommand(app *gvisortest.App, runsc, ref string) *exec.Cmd {
+func (e *restoreEnv) restoreCommand(ctx context.Context, app *gvisortest.App, runsc, ref string) *exec.Cmd {
 	args := []string{"restore", "--cache", e.cacheDir, "--runsc", runsc}
 	for _, f := range app.Flags() {
 		args = append(args, "--runsc-flag="+f)
 	}
 	args = append(args, ref, "--bundle="+app.BundleDir(), app.ID())
-	// No context: StartRestoreWith and RestoreCmd.Wait bound and kill it.
-	return e.command(context.Background(), args...)
+	return e.command(ctx, args...)
 }
 
 // blobBytes returns the registry's cryo_registry_response_bytes_total
@@ -205,7 +204,8 @@ func cacheContents(t *testing.T, cacheDir string) (images []string, chunkFiles i
 // line, and cryo restore's own output lines.
 func (e *restoreEnv) restoreThroughCryo(t *testing.T, app *gvisortest.App, ref string, last int, hash string) (time.Duration, string) {
 	t.Helper()
-	rc := app.StartRestoreWith(t, e.restoreCommand(app, e.runsc, ref))
+	// No context: RestoreCmd.Wait and the test's cleanup kill it.
+	rc := app.StartRestoreWith(t, e.restoreCommand(context.Background(), app, e.runsc, ref))
 	next := app.NextCount(t)
 	firstOutput := time.Since(rc.Start)
 	if next != last+1 {
@@ -357,9 +357,7 @@ func TestRestoreRefusesOtherRunscVersion(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), restoreTimeout)
 	defer cancel()
-	cmd := e.restoreCommand(app, wrapper, ref)
-	cmd = e.command(ctx, cmd.Args[1:]...)
-	out, err := cmd.CombinedOutput()
+	out, err := e.restoreCommand(ctx, app, wrapper, ref).CombinedOutput()
 	t.Logf("cryo restore: %v\n%s", err, out)
 	if err == nil {
 		t.Fatalf("cryo restore of a checkpoint by runsc %q with runsc %q exited 0", other, local)
