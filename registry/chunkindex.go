@@ -151,23 +151,27 @@ func (ci *chunkIndex) repository(ctx context.Context, repo string) (distribution
 
 // prune drops entries whose blob is no longer linked; gc calls it.
 func (ci *chunkIndex) prune(ctx context.Context) (int, error) {
-	removed := 0
-	err := ci.driver.Walk(ctx, chunksRoot, func(fi storagedriver.FileInfo) error {
-		if fi.IsDir() {
-			return nil
-		}
-		data, err := ci.driver.GetContent(ctx, fi.Path())
+	return pruneEntries(ctx, ci.driver, chunksRoot, func(p string) bool {
+		data, err := ci.driver.GetContent(ctx, p)
 		if err != nil {
-			return nil
+			return false
 		}
 		var b api.ChunkBlob
 		if json.Unmarshal(data, &b) != nil {
-			return nil
+			return false
 		}
-		if live, err := ci.linked(ctx, b); err == nil && !live {
-			if ci.driver.Delete(ctx, fi.Path()) == nil {
-				removed++
-			}
+		live, err := ci.linked(ctx, b)
+		return err == nil && !live
+	})
+}
+
+// pruneEntries deletes the files under root for which stale is true and
+// counts them. A missing root has nothing to prune.
+func pruneEntries(ctx context.Context, driver storagedriver.StorageDriver, root string, stale func(path string) bool) (int, error) {
+	removed := 0
+	err := driver.Walk(ctx, root, func(fi storagedriver.FileInfo) error {
+		if !fi.IsDir() && stale(fi.Path()) && driver.Delete(ctx, fi.Path()) == nil {
+			removed++
 		}
 		return nil
 	})

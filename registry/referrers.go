@@ -132,38 +132,24 @@ func (rf *referrers) manifestService(ctx context.Context, repo string) (distribu
 
 // prune drops entries whose referrer manifest no longer exists; gc calls it.
 func (rf *referrers) prune(ctx context.Context) (int, error) {
-	removed := 0
-	err := rf.driver.Walk(ctx, referrersRoot, func(fi storagedriver.FileInfo) error {
-		if fi.IsDir() {
-			return nil
-		}
+	return pruneEntries(ctx, rf.driver, referrersRoot, func(p string) bool {
 		// <root>/<repo...>/<alg>/<subject>/<referrer>
-		parts := strings.Split(strings.TrimPrefix(fi.Path(), referrersRoot+"/"), "/")
+		parts := strings.Split(strings.TrimPrefix(p, referrersRoot+"/"), "/")
 		n := len(parts)
 		if n < 4 {
-			return nil
+			return false
 		}
-		dir := strings.Join(parts[:n-3], "/")
 		d := digest.NewDigestFromEncoded(digest.Algorithm(parts[n-3]), parts[n-1])
 		if d.Validate() != nil {
-			return nil
+			return false
 		}
-		manifests, err := rf.manifestService(ctx, dir)
+		manifests, err := rf.manifestService(ctx, strings.Join(parts[:n-3], "/"))
 		if err != nil {
-			return nil
+			return false
 		}
-		if ok, err := manifests.Exists(ctx, d); err == nil && !ok {
-			if rf.driver.Delete(ctx, fi.Path()) == nil {
-				removed++
-			}
-		}
-		return nil
+		ok, err := manifests.Exists(ctx, d)
+		return err == nil && !ok
 	})
-	var notFound storagedriver.PathNotFoundError
-	if errors.As(err, &notFound) {
-		return removed, nil
-	}
-	return removed, err
 }
 
 // handleReferrers answers GET /v2/<name>/referrers/<digest>.

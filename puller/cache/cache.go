@@ -114,28 +114,15 @@ func (s *Store) Has(d digest.Digest) bool {
 // were verified when they were stored; Get re-verifies them only if verify
 // is true (a chunk file could have been damaged on disk since).
 func (s *Store) Get(d digest.Digest, buf []byte, verify bool) ([]byte, error) {
-	s.mu.Lock()
-	e, ok := s.entries[d]
-	if ok {
-		e.lastUse = s.clock()
-	}
-	s.mu.Unlock()
-	if !ok {
-		return nil, ErrNotFound
-	}
-	f, err := os.Open(s.Path(d))
-	if errors.Is(err, fs.ErrNotExist) {
-		s.forget(d)
-		return nil, ErrNotFound
-	}
+	f, size, err := s.open(d)
 	if err != nil {
-		return nil, fmt.Errorf("read cached chunk %s: %w", d, err)
+		return nil, err
 	}
 	defer f.Close()
-	if int64(cap(buf)) < e.size {
-		buf = make([]byte, e.size)
+	if int64(cap(buf)) < size {
+		buf = make([]byte, size)
 	}
-	buf = buf[:e.size]
+	buf = buf[:size]
 	if _, err := f.ReadAt(buf, 0); err != nil {
 		return nil, fmt.Errorf("read cached chunk %s: %w", d, err)
 	}
@@ -147,9 +134,8 @@ func (s *Store) Get(d digest.Digest, buf []byte, verify bool) ([]byte, error) {
 	return buf, nil
 }
 
-// ReadAt reads len(p) bytes of chunk d at offset off straight from its file
-// (a FUSE read of part of a chunk costs one pread) and marks it used.
-func (s *Store) ReadAt(d digest.Digest, p []byte, off int64) (int, error) {
+// open opens chunk d's file, marks it used and returns its size.
+func (s *Store) open(d digest.Digest) (*os.File, int64, error) {
 	s.mu.Lock()
 	e, ok := s.entries[d]
 	if ok {
@@ -157,15 +143,25 @@ func (s *Store) ReadAt(d digest.Digest, p []byte, off int64) (int, error) {
 	}
 	s.mu.Unlock()
 	if !ok {
-		return 0, ErrNotFound
+		return nil, 0, ErrNotFound
 	}
 	f, err := os.Open(s.Path(d))
 	if errors.Is(err, fs.ErrNotExist) {
 		s.forget(d)
-		return 0, ErrNotFound
+		return nil, 0, ErrNotFound
 	}
 	if err != nil {
-		return 0, fmt.Errorf("read cached chunk %s: %w", d, err)
+		return nil, 0, fmt.Errorf("read cached chunk %s: %w", d, err)
+	}
+	return f, e.size, nil
+}
+
+// ReadAt reads len(p) bytes of chunk d at offset off straight from its file
+// (a FUSE read of part of a chunk costs one pread) and marks it used.
+func (s *Store) ReadAt(d digest.Digest, p []byte, off int64) (int, error) {
+	f, _, err := s.open(d)
+	if err != nil {
+		return 0, err
 	}
 	defer f.Close()
 	n, err := f.ReadAt(p, off)
