@@ -18,8 +18,9 @@ func bindMount(src, dir string) error {
 	return nil
 }
 
+// unmount detaches dir lazily.
 func unmount(dir string) error {
-	if err := unix.Unmount(dir, 0); err != nil {
+	if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil && err != unix.EINVAL {
 		return fmt.Errorf("unmount %s: %w", dir, err)
 	}
 	return nil

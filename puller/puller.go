@@ -419,12 +419,14 @@ func (m *Mount) Progress() Progress {
 	return pr
 }
 
-// Unmount stops serving and loading and releases the mount's cache pins.
+// Unmount detaches the image dir, stops loading and releases the mount's
+// cache pins. The detach is lazy (MNT_DETACH): a restored sandbox's gofer
+// may hold the mount in its own mount namespace, and a plain unmount would
+// wait for it forever; the FUSE server's loops end when the last reference
+// goes.
 func (m *Mount) Unmount() error {
 	var err error
-	if m.server != nil {
-		err = m.server.Unmount()
-	} else if m.mode == "materialized" || m.mode == "eager" {
+	if m.mode != "" {
 		err = unmount(m.dir)
 	}
 	m.close()

@@ -10,6 +10,7 @@ package puller_test
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -28,7 +29,7 @@ import (
 
 // restoreTimeout bounds a whole `cryo restore` (mount, runsc restore, every
 // page loaded, unmount) of the test apps.
-const restoreTimeout = 2 * time.Minute
+const restoreTimeout = time.Minute
 
 // restoreEnv is what the restore tests share: tools, a registry, a node
 // cache, and a DOCKER_CONFIG of the test's own so that no credentials of
@@ -171,7 +172,7 @@ func unescapeMountinfo(s string) string {
 	return b.String()
 }
 
-// materialized returns the names under the node cache's materialized image
+// cacheContents returns the names under the node cache's materialized image
 // dirs, and the number of files under the cache's chunk store (everything
 // outside images/ and mounts/).
 func cacheContents(t *testing.T, cacheDir string) (images []string, chunkFiles int) {
@@ -214,11 +215,22 @@ func (e *restoreEnv) restoreThroughCryo(t *testing.T, app *gvisortest.App, ref s
 	if h := app.Hash(t); h != hash {
 		t.Errorf("memory hash after restore %s, at start %s", h, hash)
 	}
-	err := rc.Wait(restoreTimeout)
+	select {
+	case <-rc.Done():
+	case <-time.After(restoreTimeout):
+		// Say who holds the snapshot's FUSE mount, and have cryo print its
+		// goroutines (to its stderr) before it is killed.
+		t.Errorf("cryo restore still running after %v; processes that see a cryo FUSE mount:\n%s", restoreTimeout, fuseMountHolders(t))
+		rc.Cmd.Process.Signal(unix.SIGQUIT)
+	}
+	err := rc.Wait(5 * time.Second)
 	stdout, stderr := rc.Output()
 	own := cryoLines(stdout + stderr)
 	if err != nil {
 		t.Fatalf("cryo restore: %v\n%s", err, own)
+	}
+	if strings.Contains(stdout, "cryo:") {
+		t.Errorf("cryo restore wrote its messages to stdout, which is the restored container's:\n%s", stdout)
 	}
 	t.Logf("cryo restore exited 0 after %v; next output %v after start:\n%s", rc.Duration().Round(time.Millisecond), firstOutput.Round(time.Millisecond), own)
 	// The app must outlive cryo restore (which unmounts when all pages are
@@ -232,12 +244,42 @@ func (e *restoreEnv) restoreThroughCryo(t *testing.T, app *gvisortest.App, ref s
 	return firstOutput, own
 }
 
+// fuseMountHolders lists the processes whose mount namespace has a cryo
+// FUSE mount, with the mount and any image files they hold open.
+func fuseMountHolders(t *testing.T) string {
+	var b strings.Builder
+	pids, _ := filepath.Glob("/proc/[0-9]*")
+	for _, p := range pids {
+		mi, err := os.ReadFile(p + "/mountinfo")
+		if err != nil || !strings.Contains(string(mi), "fuse.cryo") {
+			continue
+		}
+		cmdline, _ := os.ReadFile(p + "/cmdline")
+		fmt.Fprintf(&b, "%s %.100s\n", p, strings.ReplaceAll(string(cmdline), "\x00", " "))
+		for _, line := range strings.Split(string(mi), "\n") {
+			if strings.Contains(line, "fuse.cryo") {
+				fmt.Fprintf(&b, "  mount: %s\n", line)
+			}
+		}
+		fds, _ := filepath.Glob(p + "/fd/*")
+		for _, fd := range fds {
+			if l, err := os.Readlink(fd); err == nil && strings.HasSuffix(l, ".img") {
+				fmt.Fprintf(&b, "  fd %s -> %s\n", filepath.Base(fd), l)
+			}
+		}
+	}
+	return b.String()
+}
+
+// appLine matches the test app's own output lines.
+var appLine = regexp.MustCompile(`^(count \d+|hash [0-9a-f]{64}|ready .*)$`)
+
 // cryoLines drops the app's lines (count, hash, ready) from the restore's
 // output files, leaving cryo's and runsc's messages.
 func cryoLines(out string) string {
 	var b strings.Builder
 	for _, line := range strings.Split(out, "\n") {
-		if line == "" || regexp.MustCompile(`^(count \d+|hash [0-9a-f]{64}|ready .*)$`).MatchString(line) {
+		if line == "" || appLine.MatchString(line) {
 			continue
 		}
 		b.WriteString(line + "\n")

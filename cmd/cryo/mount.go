@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,7 +15,6 @@ import (
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 	"oras.land/oras-go/v2/registry/remote"
 )
 
@@ -145,19 +145,28 @@ func newRestoreCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "restore [flags] REF [runsc restore flags] CONTAINER_ID",
 		Short: "Restore a gVisor sandbox straight from a registry snapshot",
-		Long: `Restore mounts the snapshot REF (or uses its materialized copy from an earlier
-restore on this node), checks that it was taken by the same runsc version as
+		Long: `Restore checks that the snapshot REF was taken by the same runsc version as
 the local one (runsc refuses other versions; cryo says so before calling it),
-then runs
-  runsc [--runsc-flag...] restore --detach --background --image-path=MOUNT [runsc restore flags] CONTAINER_ID
+mounts it (or uses its materialized copy from an earlier restore on this
+node), then runs
+  runsc [--runsc-flag...] restore --detach --background --image-path=DIR [runsc restore flags] CONTAINER_ID
 and keeps serving the snapshot until "runsc wait --restore" says every page
-is loaded, then unmounts. Flags after REF go to runsc restore unchanged.`,
+is loaded and the snapshot is materialized in the node cache, then unmounts.
+Flags after REF go to runsc restore unchanged.
+
+runsc restore gets cryo's stdin, stdout and stderr, which become the
+restored container's: cryo writes its own messages to stderr only (as runsc
+does), never to stdout. Its first message names the mode: "fuse" (lazy,
+from the registry) or "materialized" (local copy, no FUSE).`,
 		Example: `  cryo restore --runsc-flag=--root=/run/runsc --runsc-flag=--platform=systrap \
     localhost:5000/app:v1 --bundle=/srv/app app1`,
 		Args: cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
 			ref, restoreArgs := args[0], args[1:]
+			id := restoreArgs[len(restoreArgs)-1]
+			// stdout belongs to the container: cryo's messages go to stderr.
+			msg := cmd.ErrOrStderr()
 			p, err := pf.open()
 			if err != nil {
 				return err
@@ -171,40 +180,57 @@ is loaded, then unmounts. Flags after REF go to runsc restore unchanged.`,
 			if err != nil {
 				return err
 			}
+			// Check before mounting: a refused snapshot fetches no chunk.
+			if err := checkSnapshotVersion(ctx, src, localVersion, ref); err != nil {
+				return err
+			}
 			dir := p.MaterializedDir(src.Index.Digest)
+			mode := "materialized"
 			var m *puller.Mount
 			if _, err := os.Stat(dir); err != nil {
 				if mountDir == "" {
-					mountDir = filepath.Join(pf.cacheDir, "mounts", restoreArgs[len(restoreArgs)-1])
+					mountDir = filepath.Join(pf.cacheDir, "mounts", id)
 				}
 				if m, err = p.Mount(ctx, src, mountDir); err != nil {
 					return err
 				}
-				defer unmountQuietly(m)
+				defer releaseMount(m, msg)
 				dir = mountDir
-				if v := m.Snapshot().RunscVersion(); v != "" && v != localVersion {
-					return fmt.Errorf("snapshot %s was checkpointed by runsc %q, local runsc is %q: runsc restores only its own version's checkpoints", ref, v, localVersion)
-				}
-			} else if err := checkMaterializedVersion(ctx, src, localVersion, ref); err != nil {
-				return err
+				mode = m.Progress().Mode
 			}
 			ready := time.Since(start)
+			fmt.Fprintf(msg, "cryo: snapshot %s: mode %s, image dir %s ready after %.0f ms\n", src.Index.Digest, mode, dir, ready.Seconds()*1000)
 			rargs := append(append(append([]string{}, runscFlags...), "restore", "--detach", "--background", "--image-path="+dir), restoreArgs...)
 			rc := exec.CommandContext(ctx, runsc, rargs...)
-			rc.Stdout, rc.Stderr = cmd.OutOrStdout(), cmd.ErrOrStderr()
+			rc.Stdin, rc.Stdout, rc.Stderr = cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr()
 			if err := rc.Run(); err != nil {
 				return fmt.Errorf("runsc restore: %w", err)
 			}
-			restored := time.Since(start)
-			fmt.Fprintf(cmd.OutOrStdout(), "restored %s from %s (image ready after %.0f ms, runsc restore returned after %.0f ms)\n",
-				restoreArgs[len(restoreArgs)-1], src.Index.Digest, ready.Seconds()*1000, restored.Seconds()*1000)
-			wargs := append(append([]string{}, runscFlags...), "wait", "--restore", restoreArgs[len(restoreArgs)-1])
+			fmt.Fprintf(msg, "cryo: restored %s from %s (mode %s, runsc restore returned after %.0f ms)\n",
+				id, src.Index.Digest, mode, time.Since(start).Seconds()*1000)
+			wargs := append(append([]string{}, runscFlags...), "wait", "--restore", id)
 			wc := exec.CommandContext(ctx, runsc, wargs...)
 			wc.Stderr = cmd.ErrOrStderr()
 			if out, err := wc.Output(); err != nil {
 				return fmt.Errorf("runsc wait --restore: %w (%s)", err, strings.TrimSpace(string(out)))
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "all pages loaded after %.2f s\n", time.Since(start).Seconds())
+			fmt.Fprintf(msg, "cryo: all pages loaded after %.2f s\n", time.Since(start).Seconds())
+			if m == nil {
+				return nil
+			}
+			// Every chunk runsc read is in the node cache; the background
+			// load writes the materialized copy that later restores use
+			// without FUSE. Unmounting before it is done would lose it.
+			select {
+			case <-m.Loaded():
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			if err := m.Err(); err != nil {
+				fmt.Fprintf(msg, "cryo: warning: snapshot not materialized: %v\n", err)
+			} else {
+				fmt.Fprintf(msg, "cryo: materialized %s after %.2f s\n", p.MaterializedDir(src.Index.Digest), time.Since(start).Seconds())
+			}
 			return nil
 		},
 	}
@@ -216,11 +242,24 @@ is loaded, then unmounts. Flags after REF go to runsc restore unchanged.`,
 	return cmd
 }
 
-func unmountQuietly(m *puller.Mount) {
+// releaseMount unmounts a restore's mount without hanging.
+//
+// The restored sandbox's processes live in mount namespaces created while
+// the mount existed, and may keep a copy of it for the container's life
+// (runsc's gofer does when the container's root is a bind of a tree that
+// holds the mount point). The kernel then keeps the FUSE connection alive
+// after our unmount, and go-fuse's Server.Unmount, which waits for its
+// request loops to see the connection end, never returns. So: detach our
+// view first (never blocks; the sandbox has loaded every page and reads
+// pages.img no more), then let Mount.Unmount release the cache pins and
+// stop the fetcher; its own unmount then fails (after go-fuse's few short
+// retries, about 0.3 s) instead of waiting forever. When cryo exits,
+// closing /dev/fuse aborts the connection for any copy left elsewhere.
+func releaseMount(m *puller.Mount, msg io.Writer) {
 	if err := m.Unmount(); err != nil {
-		// The sandbox may still hold pages.img open: detach lazily.
-		unix.Unmount(m.Dir(), unix.MNT_DETACH)
+		fmt.Fprintf(msg, "cryo: warning: %v\n", err)
 	}
+	os.Remove(m.Dir())
 }
 
 // runscVersion returns what `runsc --version` reports ("runsc version X").
@@ -237,13 +276,21 @@ func runscVersion(runsc string) (string, error) {
 	return strings.TrimSpace(v), nil
 }
 
-func checkMaterializedVersion(ctx context.Context, src puller.Source, local, ref string) error {
-	snap, err := format.LoadSnapshot(ctx, src.Endpoints[len(src.Endpoints)-1].Store, src.Index)
-	if err != nil {
-		return err
+// checkSnapshotVersion refuses a snapshot whose checkpoint was taken by
+// another runsc version than local (runsc would refuse it after the mount).
+// It reads only the snapshot's index.
+func checkSnapshotVersion(ctx context.Context, src puller.Source, local, ref string) error {
+	var errs []string
+	for _, ep := range src.Endpoints {
+		snap, err := format.LoadSnapshot(ctx, ep.Store, src.Index)
+		if err != nil {
+			errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
+			continue
+		}
+		if v := snap.RunscVersion(); v != "" && v != local {
+			return fmt.Errorf("snapshot %s was checkpointed by runsc %q, local runsc is %q: runsc restores only its own version's checkpoints", ref, v, local)
+		}
+		return nil
 	}
-	if v := snap.RunscVersion(); v != "" && v != local {
-		return fmt.Errorf("snapshot %s was checkpointed by runsc %q, local runsc is %q: runsc restores only its own version's checkpoints", ref, v, local)
-	}
-	return nil
+	return fmt.Errorf("snapshot %s: %s", ref, strings.Join(errs, "; "))
 }

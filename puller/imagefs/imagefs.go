@@ -131,6 +131,10 @@ func (n *fileNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 	return nil, fuse.FOPEN_DIRECT_IO, 0
 }
 
+// Read serves a read. It ignores the request's cancellation: the kernel
+// interrupts a FUSE read whenever a signal reaches the reading thread, and
+// gVisor kills the sandbox on a failed pages.img read. The fetch
+// scheduler's deadline bounds the wait instead.
 func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	n.fs.stats.Reads.Add(1)
 	if off >= n.file.Size {
@@ -139,7 +143,7 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 	dest = dest[:min(int64(len(dest)), n.file.Size-off)]
 	if n.file.Data != nil {
 		copy(dest, n.file.Data[off:])
-	} else if err := n.fs.readChunks(ctx, n.file, dest, off); err != nil {
+	} else if err := n.fs.readChunks(context.WithoutCancel(ctx), n.file, dest, off); err != nil {
 		// Never serve unverified or partial data: fail the read. The fetch
 		// scheduler has already retried until its deadline.
 		return nil, syscall.EIO
