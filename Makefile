@@ -1,6 +1,7 @@
 # cryo: ship gVisor checkpoints as chunked, deduplicated OCI artifacts.
 #
-#   make demo    build cryo, pack a synthetic image dir, inspect, unpack, verify
+#   make demo    checkpoint a Python app in gVisor, push it, restore it through the puller (root)
+#   make demo-format  pack, inspect, unpack and verify a synthetic image dir (no root)
 #   make test    install what tests need (fuse3, oras, runsc, oci-conformance, staticcheck), lint, run every test
 #   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
 #   make bench   benchmarks: pack and dedup, push/pull vs oras, the puller; results go in docs/benchmarks.md
@@ -13,7 +14,7 @@ DEMO_DIR   ?= $(CURDIR)/out/demo
 DEMO_SIZE  ?= 268435456
 FUZZTIME   ?= 10s
 
-.PHONY: all build runsc deps lint test test-go conformance fuzz bench demo clean
+.PHONY: all build runsc deps lint test test-go conformance fuzz bench demo demo-format clean
 
 all: build
 
@@ -51,9 +52,17 @@ bench: build deps
 	$(GO) run ./bench/transferbench
 	$(GO) run ./bench/pullerbench
 
+# The whole story with real gVisor: checkpoint an app, push, restore it
+# through the puller, check its memory. Needs root; builds bin/runsc if missing.
 demo: build
+	@[ -x $(BIN)/runsc ] || scripts/build-runsc.sh
+	scripts/demo.sh
+
+# The format alone, no root needed: pack a synthetic image dir, inspect,
+# unpack, verify, compare.
+demo-format: build
 	@rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
-	$(GO) run ./bench/mkimage -kind text -size $(DEMO_SIZE) $(DEMO_DIR)/image
+	$(GO) run ./bench/mkimage -kind halfzero -size $(DEMO_SIZE) $(DEMO_DIR)/image
 	$(CRYO) pack $(DEMO_DIR)/image --layout $(DEMO_DIR)/layout --tag demo
 	$(CRYO) inspect $(DEMO_DIR)/layout:demo
 	$(CRYO) unpack $(DEMO_DIR)/layout:demo $(DEMO_DIR)/unpacked

@@ -111,17 +111,20 @@ func (p *Puller) MaterializedDir(d digest.Digest) string {
 
 // Progress describes a mount.
 type Progress struct {
-	Digest        digest.Digest `json:"digest"`
-	Dir           string        `json:"dir"`
-	Mode          string        `json:"mode"` // "fuse", "materialized" or "eager"
-	TotalBytes    int64         `json:"totalBytes"`
-	LocalBytes    int64         `json:"localBytes"`
-	DemandChunks  int64         `json:"demandChunks"`
-	ReadyAfter    float64       `json:"readySeconds"`
-	LoadedAfter   float64       `json:"loadedSeconds,omitempty"`
-	Loaded        bool          `json:"loaded"`
-	Err           string        `json:"error,omitempty"`
-	FetchedChunks int           `json:"fetchedChunks"`
+	Digest       digest.Digest `json:"digest"`
+	Dir          string        `json:"dir"`
+	Mode         string        `json:"mode"` // "fuse", "materialized" or "eager"
+	TotalBytes   int64         `json:"totalBytes"`
+	LocalBytes   int64         `json:"localBytes"`
+	DemandChunks int64         `json:"demandChunks"`
+	ReadyAfter   float64       `json:"readySeconds"`
+	// LocalAfter is when every chunk was in the node cache; LoadedAfter
+	// when the materialized image dir was written too.
+	LocalAfter    float64 `json:"localSeconds,omitempty"`
+	LoadedAfter   float64 `json:"loadedSeconds,omitempty"`
+	Loaded        bool    `json:"loaded"`
+	Err           string  `json:"error,omitempty"`
+	FetchedChunks int     `json:"fetchedChunks"`
 }
 
 // Mount is a snapshot made available as an image dir.
@@ -139,13 +142,14 @@ type Mount struct {
 	pinned  []digest.Digest
 	files   []imagefs.File
 
-	total  int64
-	local  atomic.Int64
-	loaded chan struct{}
-	mu     sync.Mutex
-	loadAt time.Duration
-	err    error
-	cancel context.CancelFunc
+	total   int64
+	local   atomic.Int64
+	loaded  chan struct{}
+	mu      sync.Mutex
+	loadAt  time.Duration
+	localAt time.Duration
+	err     error
+	cancel  context.CancelFunc
 }
 
 // Mount makes the snapshot available at dir and returns when dir is a
@@ -297,6 +301,9 @@ func (m *Mount) loadAll(ctx context.Context, lazy []*imagefs.File) error {
 		}
 		m.local.Add(pd.Chunk().Size)
 	}
+	m.mu.Lock()
+	m.localAt = time.Since(m.start)
+	m.mu.Unlock()
 	err := m.materialize()
 	m.finish(err)
 	return err
@@ -407,6 +414,7 @@ func (m *Mount) Progress() Progress {
 		pr.Loaded = true
 		m.mu.Lock()
 		pr.LoadedAfter = m.loadAt.Seconds()
+		pr.LocalAfter = m.localAt.Seconds()
 		if m.err != nil {
 			pr.Err = m.err.Error()
 		}
