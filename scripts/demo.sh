@@ -143,7 +143,7 @@ SAME=no; [[ "$HASH2" == "$HASH1" ]] && SAME=yes
 printf '\n| what | value |\n|---|---|\n'
 printf '| snapshot size (image dir) | %s MiB |\n' $((SIZE >> 20))
 printf '| bytes pushed | %s MiB |\n' $((UPLOADED >> 20))
-printf '| bytes moved on restore (registry blob bytes served) | %s MiB |\n' $(( ${B1%.*} - ${B0%.*} >> 20 ))
+printf '| bytes moved on restore (registry blob bytes served) | %s MiB |\n' "$("$PYTHON" -c 'import sys; print(int((float(sys.argv[2]) - float(sys.argv[1])) / 2**20))' "${B0:-0}" "${B1:-0}")"
 printf '| time until the app ran again (next output line) | %s ms |\n' "$T_RUN"
 printf '| time until fully loaded (cryo restore returned) | %s ms |\n' "$T_LOADED"
 printf '| app continued | last count %s before checkpoint, next %s after restore |\n' "$LAST" "$NEXT"
