@@ -14,7 +14,7 @@ DEMO_DIR   ?= $(CURDIR)/out/demo
 DEMO_SIZE  ?= 268435456
 FUZZTIME   ?= 10s
 
-.PHONY: all build runsc deps lint test test-go conformance fuzz bench demo demo-format clean
+.PHONY: all build runsc deps lint test test-go conformance fuzz bench bench-restore demo demo-format clean
 
 all: build
 
@@ -72,3 +72,9 @@ demo-format: build
 
 clean:
 	rm -rf $(BIN) out
+
+# The end-to-end restore benchmark with real gVisor (root): local disk,
+# naive oras pull, and cryo, on loopback and shaped links. Results and the
+# chart go in docs/benchmarks.md.
+bench-restore: build deps
+	$(GO) test ./bench/restore -run '^$$' -bench Restore -benchtime 1x -timeout 120m -chart $(CURDIR)/docs/restore-loopback.png

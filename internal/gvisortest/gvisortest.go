@@ -99,7 +99,7 @@ while True:
         out("hash " + hashlib.sha256(buf).hexdigest())
     count += 1
     out("count %d" % count)
-    time.sleep(0.15)
+    time.sleep(float(sys.argv[3]))
 `
 
 func skipOrFatal(t testing.TB, format string, args ...any) {
@@ -167,6 +167,10 @@ func parseVersion(out []byte) (string, error) {
 type AppOptions struct {
 	// MemoryMiB is the size of the app's buffer in MiB (default 16).
 	MemoryMiB int
+	// Interval is the time between the app's count lines (default 150 ms).
+	// Restore benchmarks make it short: the time until the next line
+	// includes what is left of the interval.
+	Interval time.Duration
 	// Text fills the buffer with text-like data (lowercase hex digits, which
 	// compress about 2x) instead of random bytes (incompressible).
 	Text bool
@@ -250,7 +254,10 @@ func StartApp(t testing.TB, runsc string, opts AppOptions) *App {
 	if opts.Text {
 		mode = "text"
 	}
-	args := []string{python, "-u", "-I", "-c", appScript, strconv.Itoa(opts.MemoryMiB), mode}
+	if opts.Interval <= 0 {
+		opts.Interval = 150 * time.Millisecond
+	}
+	args := []string{python, "-u", "-I", "-c", appScript, strconv.Itoa(opts.MemoryMiB), mode, strconv.FormatFloat(opts.Interval.Seconds(), 'f', 3, 64)}
 	if err := writeBundle(a.bundleDir, args); err != nil {
 		t.Fatalf("gvisortest: %v", err)
 	}

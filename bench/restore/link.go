@@ -1,0 +1,129 @@
+// Package restore is the end-to-end restore benchmark (make bench-restore):
+// real gVisor sandboxes restored from a local image dir, from an `oras pull`
+// of the whole image, and through cryo, on loopback and on shaped links.
+package restore
+
+import (
+	"context"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"golang.org/x/time/rate"
+)
+
+// Link is a shaped network link: bandwidth shared by all connections in
+// each direction, and a round-trip time.
+type Link struct {
+	Name string
+	// BitsPerSecond is the bandwidth of each direction (0: unlimited).
+	BitsPerSecond int64
+	// RTT is added to every round trip (half each way).
+	RTT time.Duration
+}
+
+// Proxy forwards TCP connections to an upstream over a shaped Link. It is
+// written here rather than taken from toxiproxy because toxiproxy's
+// bandwidth toxic limits each connection on its own, while a link's
+// bandwidth is shared by all the connections a puller opens.
+type Proxy struct {
+	ln       net.Listener
+	upstream string
+	link     Link
+	up, down *rate.Limiter
+	wg       sync.WaitGroup
+	ctx      context.Context
+	cancel   context.CancelFunc
+}
+
+// StartProxy listens on a free loopback port and forwards to upstream.
+func StartProxy(upstream string, link Link) (*Proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &Proxy{ln: ln, upstream: upstream, link: link, ctx: ctx, cancel: cancel}
+	if link.BitsPerSecond > 0 {
+		bps := float64(link.BitsPerSecond) / 8
+		burst := 64 << 10
+		p.up = rate.NewLimiter(rate.Limit(bps), burst)
+		p.down = rate.NewLimiter(rate.Limit(bps), burst)
+	}
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+// Addr is the proxy's host:port.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+// Close stops the proxy and its connections.
+func (p *Proxy) Close() {
+	p.cancel()
+	p.ln.Close()
+	p.wg.Wait()
+}
+
+func (p *Proxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		u, err := net.Dial("tcp", p.upstream)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.wg.Add(2)
+		go p.pipe(u, c, p.up)
+		go p.pipe(c, u, p.down)
+	}
+}
+
+type segment struct {
+	data []byte
+	at   time.Time
+}
+
+// pipe copies src to dst, delaying every segment by RTT/2 and pacing it
+// through the direction's shared limiter.
+func (p *Proxy) pipe(dst, src net.Conn, lim *rate.Limiter) {
+	defer p.wg.Done()
+	q := make(chan segment, 1024)
+	go func() {
+		defer close(q)
+		for {
+			buf := make([]byte, 32<<10)
+			n, err := src.Read(buf)
+			if n > 0 {
+				q <- segment{buf[:n], time.Now().Add(p.link.RTT / 2)}
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	defer dst.Close()
+	defer src.Close()
+	for s := range q {
+		if d := time.Until(s.at); d > 0 {
+			time.Sleep(d)
+		}
+		if lim != nil {
+			for off := 0; off < len(s.data); off += lim.Burst() {
+				n := min(lim.Burst(), len(s.data)-off)
+				if lim.WaitN(p.ctx, n) != nil {
+					return
+				}
+			}
+		}
+		if _, err := dst.Write(s.data); err != nil {
+			io.Copy(io.Discard, src)
+			return
+		}
+	}
+}

@@ -1,0 +1,270 @@
+package restore
+
+import (
+	"bufio"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/internal/gvisortest"
+	"github.com/cryo-oci/cryo/internal/testenv"
+)
+
+var (
+	sizesFlag = flag.String("sizes", "256,1024", "app memory sizes in MiB")
+	repsFlag  = flag.Int("reps", 3, "repetitions on loopback")
+	shapedRep = flag.Int("shaped-reps", 1, "repetitions on each shaped link")
+	linksFlag = flag.String("links", "loopback,1gbit-5ms,100mbit-25ms", "links: loopback and/or shaped NAME-RTT with NAME 1gbit or 100mbit")
+	chartFlag = flag.String("chart", "", "write a PNG bar chart of the loopback results here")
+)
+
+// The five ways back to a running app.
+const (
+	localCold = "local dir, cold page cache"
+	localWarm = "local dir, warm page cache"
+	naive     = "oras pull + runsc restore"
+	cryoCold  = "cryo restore, cold node cache"
+	cryoWarm  = "cryo restore, warm node cache"
+)
+
+var paths = []string{localCold, localWarm, naive, cryoCold, cryoWarm}
+
+type sample struct{ running, loaded, wire float64 }
+
+// BenchmarkRestore measures, for each app size and link, the time from the
+// restore command's start until the app's next output line, and until all
+// its memory is loaded, for the five paths, reps interleaved, and prints a
+// Markdown table with the ratios the targets are stated in.
+func BenchmarkRestore(b *testing.B) {
+	runsc := gvisortest.Runsc(b)
+	cryo, oras := testenv.Tool(b, "cryo"), testenv.Tool(b, "oras")
+	reg := testenv.StartRegistry(b, "")
+	var sizes []int
+	for _, s := range strings.Split(*sizesFlag, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil {
+			b.Fatalf("-sizes: %v", err)
+		}
+		sizes = append(sizes, n)
+	}
+	links := parseLinks(b, *linksFlag)
+	results := map[string][]sample{} // size|link|path
+	for _, mib := range sizes {
+		app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib, Interval: 5 * time.Millisecond})
+		app.NextCount(b)
+		img := app.Checkpoint(b)
+		tag := fmt.Sprintf("m%d", mib)
+		testenv.Run(b, cryo, "push", img, reg.Addr+"/cryo:"+tag)
+		c := exec.Command(oras, "push", "--plain-http", reg.Addr+"/oras:"+tag, "checkpoint.img", "pages_meta.img", "pages.img")
+		c.Dir = img
+		if out, err := c.CombinedOutput(); err != nil {
+			b.Fatalf("oras push: %v\n%s", err, out)
+		}
+		for _, link := range links {
+			addr := reg.Addr
+			reps := *repsFlag
+			if link.BitsPerSecond > 0 || link.RTT > 0 {
+				p, err := StartProxy(reg.Addr, link)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer p.Close()
+				addr = p.Addr()
+				reps = *shapedRep
+			}
+			for r := range reps {
+				work := b.TempDir()
+				cache := filepath.Join(work, "cache")
+				for _, path := range paths {
+					var cmd *exec.Cmd
+					switch path {
+					case localCold:
+						dropCaches()
+						cmd = shell(app, runscRestore(app, img)+" && "+runscWait(app))
+					case localWarm:
+						warm(img)
+						cmd = shell(app, runscRestore(app, img)+" && "+runscWait(app))
+					case naive:
+						dropCaches()
+						out := filepath.Join(work, "oras-out")
+						cmd = shell(app, fmt.Sprintf("mkdir -p %s && %s pull --plain-http -o %s %s/oras:%s >/dev/null && ", out, oras, out, addr, tag)+
+							runscRestore(app, out)+" && "+runscWait(app))
+					case cryoCold, cryoWarm:
+						if path == cryoCold {
+							dropCaches()
+						} else {
+							warm(filepath.Join(cache, "images"))
+						}
+						args := []string{"restore", "--cache", cache, "--runsc", runsc}
+						for _, f := range app.Flags() {
+							args = append(args, "--runsc-flag="+f)
+						}
+						cmd = exec.Command(cryo, append(args, addr+"/cryo:"+tag, "--bundle="+app.BundleDir(), app.ID())...)
+					}
+					before := blobBytes(b, reg.MetricsAddr)
+					rc := app.StartRestoreWith(b, cmd)
+					app.NextCount(b)
+					running := time.Since(rc.Start).Seconds()
+					if err := rc.Wait(30 * time.Minute); err != nil {
+						stdout, stderr := rc.Output()
+						b.Fatalf("%s: %v\n%s%s", path, err, stdout, stderr)
+					}
+					s := sample{running: running, loaded: rc.Duration().Seconds(), wire: blobBytes(b, reg.MetricsAddr) - before}
+					key := fmt.Sprintf("%d|%s|%s", mib, link.Name, path)
+					results[key] = append(results[key], s)
+					fmt.Fprintf(os.Stderr, "%d MiB %s rep %d %-32s running %.3fs loaded %.3fs wire %.0f MiB\n", mib, link.Name, r, path, s.running, s.loaded, s.wire/(1<<20))
+				}
+			}
+		}
+		if h := app.Hash(b); h != app.StartHash() {
+			b.Fatalf("memory hash after the last restore %s, before checkpoint %s", h, app.StartHash())
+		}
+	}
+	report(sizes, links, results)
+	if *chartFlag != "" {
+		if err := writeChart(*chartFlag, sizes, results); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func parseLinks(b *testing.B, s string) []Link {
+	var out []Link
+	for _, name := range strings.Split(s, ",") {
+		switch name = strings.TrimSpace(name); name {
+		case "loopback":
+			out = append(out, Link{Name: name})
+		case "1gbit-5ms":
+			out = append(out, Link{Name: name, BitsPerSecond: 1e9, RTT: 5 * time.Millisecond})
+		case "100mbit-25ms":
+			out = append(out, Link{Name: name, BitsPerSecond: 1e8, RTT: 25 * time.Millisecond})
+		default:
+			b.Fatalf("unknown link %q", name)
+		}
+	}
+	return out
+}
+
+func runscRestore(app *gvisortest.App, img string) string {
+	return fmt.Sprintf("%s %s restore --detach --background --bundle=%s --image-path=%s %s",
+		app.Runsc(), strings.Join(app.Flags(), " "), app.BundleDir(), img, app.ID())
+}
+
+func runscWait(app *gvisortest.App) string {
+	return fmt.Sprintf("%s %s wait --restore %s >/dev/null", app.Runsc(), strings.Join(app.Flags(), " "), app.ID())
+}
+
+func shell(app *gvisortest.App, script string) *exec.Cmd {
+	return exec.Command("/bin/sh", "-c", script)
+}
+
+func dropCaches() {
+	syscall.Sync()
+	os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200)
+}
+
+// warm reads every file under dir into the page cache.
+func warm(dir string) {
+	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			if f, err := os.Open(p); err == nil {
+				bufio.NewReaderSize(f, 1<<20).WriteTo(devNull{})
+				f.Close()
+			}
+		}
+		return nil
+	})
+}
+
+type devNull struct{}
+
+func (devNull) Write(p []byte) (int, error) { return len(p), nil }
+
+func blobBytes(b *testing.B, metricsAddr string) float64 {
+	resp, err := http.Get("http://" + metricsAddr + "/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if line := sc.Text(); strings.HasPrefix(line, `cryo_registry_response_bytes_total{kind="blob"}`) {
+			f := strings.Fields(line)
+			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
+			return v
+		}
+	}
+	return 0
+}
+
+func med(s []sample, f func(sample) float64) float64 {
+	v := make([]float64, len(s))
+	for i, x := range s {
+		v[i] = f(x)
+	}
+	sort.Float64s(v)
+	return v[len(v)/2]
+}
+
+func cell(s []sample, f func(sample) float64) string {
+	if len(s) == 0 {
+		return "-"
+	}
+	m := med(s, f)
+	if len(s) == 1 {
+		return fmt.Sprintf("%.2f", m)
+	}
+	lo, hi := f(s[0]), f(s[0])
+	for _, x := range s {
+		lo, hi = min(lo, f(x)), max(hi, f(x))
+	}
+	return fmt.Sprintf("%.2f (%.2f–%.2f)", m, lo, hi)
+}
+
+func running(s sample) float64 { return s.running }
+func loaded(s sample) float64  { return s.loaded }
+
+func report(sizes []int, links []Link, res map[string][]sample) {
+	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Restore -benchtime 1x -sizes %s -reps %d -shaped-reps %d -links %s` — GOMAXPROCS=%d, %s, %s\n\n",
+		*sizesFlag, *repsFlag, *shapedRep, *linksFlag, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
+	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry |")
+	fmt.Println("|--:|---|---|--:|--:|--:|")
+	for _, mib := range sizes {
+		for _, l := range links {
+			for _, p := range paths {
+				s := res[fmt.Sprintf("%d|%s|%s", mib, l.Name, p)]
+				if len(s) == 0 {
+					continue
+				}
+				fmt.Printf("| %d MiB | %s | %s | %s | %s | %.0f MiB |\n", mib, l.Name, p, cell(s, running), cell(s, loaded), med(s, func(x sample) float64 { return x.wire })/(1<<20))
+			}
+		}
+	}
+	fmt.Println("\n| app memory | link | cryo cold / local cold (target ≤ 1.5) | naive / cryo cold (target ≥ 5 at 1 GiB on 100 Mbit) | cryo warm / local warm (target ≤ 1.2) | cryo loaded / naive loaded (target ≤ 1) |")
+	fmt.Println("|--:|---|--:|--:|--:|--:|")
+	for _, mib := range sizes {
+		for _, l := range links {
+			get := func(p string, f func(sample) float64) float64 {
+				s := res[fmt.Sprintf("%d|%s|%s", mib, l.Name, p)]
+				if len(s) == 0 {
+					return 0
+				}
+				return med(s, f)
+			}
+			fmt.Printf("| %d MiB | %s | %.2f | %.2f | %.2f | %.2f |\n", mib, l.Name,
+				get(cryoCold, running)/get(localCold, running), get(naive, running)/get(cryoCold, running),
+				get(cryoWarm, running)/get(localWarm, running), get(cryoCold, loaded)/get(naive, loaded))
+		}
+	}
+	fmt.Println("\nApp running again: from the start of the restore command (for the naive path, of `oras pull`) until the app's next output line (it prints every 5 ms). Fully loaded: until `runsc wait --restore` returns (cryo restore returns after that and after writing the materialized dir). Shaped links go through a proxy with a bandwidth shared by all connections and the given round-trip time. Local paths and local disk reads need no registry bytes.")
+}
