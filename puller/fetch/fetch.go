@@ -69,11 +69,14 @@ type Scheduler struct {
 
 	mu       sync.Mutex
 	cond     *sync.Cond
-	demand   []*call
-	prefetch []*call
-	calls    map[digest.Digest]*call
-	closed   bool
-	log      []LogEntry
+	demand   []*call // served newest first
+	prefetch []*call // served in order
+	// activeDemand counts demand fetches in flight; prefetching waits
+	// while there are any, so a demand fetch has the link to itself.
+	activeDemand int
+	calls        map[digest.Digest]*call
+	closed       bool
+	log          []LogEntry
 
 	wg sync.WaitGroup
 }
@@ -83,6 +86,7 @@ type call struct {
 	chunk   format.Chunk
 	demand  bool
 	started bool
+	counted bool // started as a demand fetch: counted in activeDemand
 	done    chan struct{}
 	data    []byte // verified bytes, kept only for demand waiters
 	err     error
@@ -235,7 +239,12 @@ func (s *Scheduler) enqueue(c format.Chunk, demand bool) (*call, error) {
 	return cl, nil
 }
 
-// next takes the next call to run: demand first, then prefetch in order.
+// next takes the next call to run. Demand fetches come first, newest
+// first: a restoring sandbox keeps many reads in flight (gVisor's
+// background loader issues up to 128 at once, in ascending order), and
+// the read the app is blocked on is the one that arrived last. Prefetches
+// run, in order, only while no demand fetch is queued or in flight, so
+// they never take bandwidth from a read someone waits for.
 func (s *Scheduler) next() *call {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -243,16 +252,18 @@ func (s *Scheduler) next() *call {
 		if s.closed {
 			return nil
 		}
-		for len(s.demand) > 0 {
-			cl := s.demand[0]
-			s.demand = s.demand[1:]
+		for n := len(s.demand); n > 0; n = len(s.demand) {
+			cl := s.demand[n-1]
+			s.demand = s.demand[:n-1]
 			if !cl.started {
 				cl.started = true
+				s.activeDemand++
+				cl.counted = true
 				s.record(cl)
 				return cl
 			}
 		}
-		for len(s.prefetch) > 0 {
+		for s.activeDemand == 0 && len(s.prefetch) > 0 {
 			cl := s.prefetch[0]
 			s.prefetch = s.prefetch[1:]
 			if !cl.started {
@@ -290,6 +301,12 @@ func (s *Scheduler) worker() {
 		cl.err = err
 		delete(s.calls, cl.chunk.Digest)
 		close(cl.done)
+		if cl.counted {
+			s.activeDemand--
+			if s.activeDemand == 0 {
+				s.cond.Broadcast() // prefetching may resume
+			}
+		}
 		s.mu.Unlock()
 		buf = data
 	}
