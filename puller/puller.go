@@ -267,7 +267,7 @@ func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]image
 		}
 		data := make([]byte, 0, f.Size)
 		for _, c := range f.Chunks {
-			b, err := m.sched.Get(ctx, c, nil)
+			b, err := m.sched.Get(ctx, c, nil, fetch.Urgent)
 			if err != nil {
 				return nil, nil, fmt.Errorf("fetch %s: %w", f.Path, err)
 			}

@@ -262,7 +262,7 @@ func TestDemandReadsOvertakeBackground(t *testing.T) {
 	log := m.FetchLog()
 	demand := -1
 	for i, e := range log {
-		if e.Demand && e.Offset <= end && end < e.Offset+(1<<20) {
+		if e.Demand() && e.Offset <= end && end < e.Offset+(1<<20) {
 			demand = i
 			break
 		}
@@ -279,7 +279,7 @@ func TestDemandReadsOvertakeBackground(t *testing.T) {
 	final := m.FetchLog()
 	later := 0
 	for _, e := range final[demand+1:] {
-		if !e.Demand && e.Offset < end {
+		if !e.Demand() && e.Offset < end {
 			later++
 		}
 	}

@@ -120,6 +120,10 @@ func BenchmarkRestore(b *testing.B) {
 						b.Fatalf("%s: %v\n%s%s", path, err, stdout, stderr)
 					}
 					s := sample{running: running, loaded: rc.Duration().Seconds(), wire: blobBytes(b, reg.MetricsAddr) - before}
+					if os.Getenv("CRYO_BENCH_VERBOSE") != "" {
+						_, stderr := rc.Output()
+						fmt.Fprint(os.Stderr, stderr)
+					}
 					key := fmt.Sprintf("%d|%s|%s", mib, link.Name, path)
 					results[key] = append(results[key], s)
 					fmt.Fprintf(os.Stderr, "%d MiB %s rep %d %-32s running %.3fs loaded %.3fs wire %.0f MiB\n", mib, link.Name, r, path, s.running, s.loaded, s.wire/(1<<20))

@@ -52,13 +52,32 @@ type Options struct {
 	KeepLog bool
 }
 
+// Priority orders fetches.
+type Priority int
+
+// The priorities, lowest first.
+const (
+	// Prefetch is the background load, in the order given.
+	Prefetch Priority = iota
+	// Demand is a read waiting for the chunk, served in arrival order: a
+	// restoring sandbox's background loader reads pages.img this way.
+	Demand
+	// Urgent is a read the sandbox's application is blocked on, served
+	// newest first.
+	Urgent
+	numPriorities
+)
+
 // LogEntry is one fetch, as recorded with Options.KeepLog.
 type LogEntry struct {
 	Digest   digest.Digest
 	Offset   int64
-	Demand   bool
+	Priority Priority
 	Endpoint string
 }
+
+// Demand reports whether the fetch was for a read (Demand or Urgent).
+func (e LogEntry) Demand() bool { return e.Priority > Prefetch }
 
 // Scheduler fetches chunks into a node cache.
 type Scheduler struct {
@@ -67,16 +86,17 @@ type Scheduler struct {
 	codec     *format.Codec
 	opts      Options
 
-	mu       sync.Mutex
-	cond     *sync.Cond
-	demand   []*call // served newest first
-	prefetch []*call // served in order
-	// activeDemand counts demand fetches in flight; prefetching waits
-	// while there are any, so a demand fetch has the link to itself.
-	activeDemand int
-	calls        map[digest.Digest]*call
-	closed       bool
-	log          []LogEntry
+	mu   sync.Mutex
+	cond *sync.Cond
+	// queues holds the calls waiting at each priority; active counts the
+	// calls in flight at each. A call runs only while no call of a higher
+	// priority waits or runs, so the read a sandbox is blocked on has the
+	// link to itself.
+	queues [numPriorities][]*call
+	active [numPriorities]int
+	calls  map[digest.Digest]*call
+	closed bool
+	log    []LogEntry
 
 	wg sync.WaitGroup
 }
@@ -84,9 +104,8 @@ type Scheduler struct {
 // call is one chunk being fetched; waiters block on done.
 type call struct {
 	chunk   format.Chunk
-	demand  bool
+	prio    Priority
 	started bool
-	counted bool // started as a demand fetch: counted in activeDemand
 	done    chan struct{}
 	data    []byte // verified bytes, kept only for demand waiters
 	err     error
@@ -122,16 +141,16 @@ func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options
 func (s *Scheduler) Close() {
 	s.mu.Lock()
 	s.closed = true
-	for _, q := range [][]*call{s.demand, s.prefetch} {
+	for i, q := range s.queues {
 		for _, c := range q {
-			if !c.started {
+			if !c.started && s.calls[c.chunk.Digest] == c {
 				c.err = ErrClosed
 				close(c.done)
 				delete(s.calls, c.chunk.Digest)
 			}
 		}
+		s.queues[i] = nil
 	}
-	s.demand, s.prefetch = nil, nil
 	s.cond.Broadcast()
 	s.mu.Unlock()
 	s.wg.Wait()
@@ -144,9 +163,10 @@ func (s *Scheduler) Log() []LogEntry {
 	return append([]LogEntry(nil), s.log...)
 }
 
-// Get returns chunk c's verified bytes, from the cache or fetched now ahead
-// of every prefetch. Zero chunks need no fetch.
-func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
+// Get returns chunk c's verified bytes, from the cache or fetched now at
+// priority prio (Demand or Urgent), ahead of every prefetch. Zero chunks
+// need no fetch.
+func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Priority) ([]byte, error) {
 	if c.Encoding == format.EncodingZero {
 		return s.codec.Decode(c, nil, buf)
 	}
@@ -156,7 +176,7 @@ func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte) ([]byte
 	}
 	s.opts.Metrics.cacheMiss()
 	start := time.Now()
-	cl, err := s.enqueue(c, true)
+	cl, err := s.enqueue(c, max(prio, Demand))
 	if err != nil {
 		return nil, err
 	}
@@ -185,7 +205,7 @@ func (s *Scheduler) Prefetch(chunks []format.Chunk) []*Pending {
 		if c.Encoding == format.EncodingZero || s.cache.Has(c.Digest) {
 			continue
 		}
-		cl, err := s.enqueue(c, false)
+		cl, err := s.enqueue(c, Prefetch)
 		if err != nil {
 			break
 		}
@@ -210,41 +230,35 @@ func (p *Pending) Wait(ctx context.Context) error {
 // Chunk is the chunk the prefetch is for.
 func (p *Pending) Chunk() format.Chunk { return p.c.chunk }
 
-func (s *Scheduler) enqueue(c format.Chunk, demand bool) (*call, error) {
+func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return nil, ErrClosed
 	}
 	if cl, ok := s.calls[c.Digest]; ok {
-		if demand && !cl.demand {
-			// Promote a queued prefetch: it goes to the demand queue; the
-			// worker that meets it in the prefetch queue skips it.
-			cl.demand = true
-			if !cl.started {
-				s.demand = append(s.demand, cl)
-				s.cond.Signal()
-			}
+		if prio > cl.prio && !cl.started {
+			// Promote a queued call; its entry in the lower queue is
+			// skipped when met.
+			cl.prio = prio
+			s.queues[prio] = append(s.queues[prio], cl)
+			s.cond.Signal()
 		}
 		return cl, nil
 	}
-	cl := &call{chunk: c, demand: demand, done: make(chan struct{})}
+	cl := &call{chunk: c, prio: prio, done: make(chan struct{})}
 	s.calls[c.Digest] = cl
-	if demand {
-		s.demand = append(s.demand, cl)
-	} else {
-		s.prefetch = append(s.prefetch, cl)
-	}
+	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
 	return cl, nil
 }
 
-// next takes the next call to run. Demand fetches come first, newest
-// first: a restoring sandbox keeps many reads in flight (gVisor's
-// background loader issues up to 128 at once, in ascending order), and
-// the read the app is blocked on is the one that arrived last. Prefetches
-// run, in order, only while no demand fetch is queued or in flight, so
-// they never take bandwidth from a read someone waits for.
+// next takes the next call to run: the newest urgent call, else the oldest
+// demand call, else the next prefetch; each only while nothing of a higher
+// priority waits or runs. A restoring sandbox keeps many reads in flight
+// (gVisor's background loader issues up to 128 at once, in ascending
+// order); the read its application is blocked on arrives last and must not
+// share the link with them.
 func (s *Scheduler) next() *call {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -252,33 +266,44 @@ func (s *Scheduler) next() *call {
 		if s.closed {
 			return nil
 		}
-		for n := len(s.demand); n > 0; n = len(s.demand) {
-			cl := s.demand[n-1]
-			s.demand = s.demand[:n-1]
-			if !cl.started {
+		for p := numPriorities - 1; p >= 0; p-- {
+			if cl := s.pop(p); cl != nil {
 				cl.started = true
-				s.activeDemand++
-				cl.counted = true
+				s.active[p]++
 				s.record(cl)
 				return cl
 			}
-		}
-		for s.activeDemand == 0 && len(s.prefetch) > 0 {
-			cl := s.prefetch[0]
-			s.prefetch = s.prefetch[1:]
-			if !cl.started {
-				cl.started = true
-				s.record(cl)
-				return cl
+			if len(s.queues[p]) > 0 || s.active[p] > 0 {
+				break // something of this priority waits or runs: nothing lower starts
 			}
 		}
 		s.cond.Wait()
 	}
 }
 
+// pop takes the next runnable call of priority p, skipping entries that
+// were promoted away or already started.
+func (s *Scheduler) pop(p Priority) *call {
+	q := s.queues[p]
+	for len(q) > 0 {
+		var cl *call
+		if p == Urgent {
+			cl, q = q[len(q)-1], q[:len(q)-1]
+		} else {
+			cl, q = q[0], q[1:]
+		}
+		if !cl.started && cl.prio == p {
+			s.queues[p] = q
+			return cl
+		}
+	}
+	s.queues[p] = q
+	return nil
+}
+
 func (s *Scheduler) record(cl *call) {
 	if s.opts.KeepLog {
-		s.log = append(s.log, LogEntry{Digest: cl.chunk.Digest, Offset: cl.chunk.Offset, Demand: cl.demand})
+		s.log = append(s.log, LogEntry{Digest: cl.chunk.Digest, Offset: cl.chunk.Offset, Priority: cl.prio})
 	}
 }
 
@@ -295,18 +320,14 @@ func (s *Scheduler) worker() {
 			err = s.cache.PutVerified(cl.chunk.Digest, data)
 		}
 		s.mu.Lock()
-		if err == nil && cl.demand {
+		if err == nil && cl.prio > Prefetch {
 			cl.data = append([]byte(nil), data...)
 		}
 		cl.err = err
 		delete(s.calls, cl.chunk.Digest)
 		close(cl.done)
-		if cl.counted {
-			s.activeDemand--
-			if s.activeDemand == 0 {
-				s.cond.Broadcast() // prefetching may resume
-			}
-		}
+		s.active[cl.prio]--
+		s.cond.Broadcast() // lower priorities may run now
 		s.mu.Unlock()
 		buf = data
 	}

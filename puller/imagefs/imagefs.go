@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path"
 	"sort"
 	"strings"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/cache"
+	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
@@ -41,10 +43,16 @@ type File struct {
 
 // Source supplies verified chunk bytes on demand.
 type Source interface {
-	// Get returns chunk c's bytes (fetching them now if needed), appended
-	// to buf[:0].
-	Get(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error)
+	// Get returns chunk c's bytes (fetching them now if needed, at the
+	// given priority), appended to buf[:0].
+	Get(ctx context.Context, c format.Chunk, buf []byte, prio fetch.Priority) ([]byte, error)
 }
+
+// UrgentBelow: a read of a lazy file shorter than this is taken for a read
+// the application is blocked on. gVisor's background loader reads
+// pages.img in pieces of exactly 256 KiB; a page fault reads just the
+// faulted range.
+const UrgentBelow = 256 << 10
 
 // Stats count what the filesystem served.
 type Stats struct {
@@ -137,13 +145,23 @@ func (n *fileNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 // scheduler's deadline bounds the wait instead.
 func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	n.fs.stats.Reads.Add(1)
+	if debugReads {
+		t0 := time.Now()
+		defer func() {
+			fmt.Fprintf(os.Stderr, "READ %s off=%d len=%d start=%s took=%s\n", n.file.Path, off, len(dest), t0.Format("15:04:05.000"), time.Since(t0))
+		}()
+	}
 	if off >= n.file.Size {
 		return fuse.ReadResultData(nil), 0
+	}
+	prio := fetch.Demand
+	if len(dest) < UrgentBelow {
+		prio = fetch.Urgent
 	}
 	dest = dest[:min(int64(len(dest)), n.file.Size-off)]
 	if n.file.Data != nil {
 		copy(dest, n.file.Data[off:])
-	} else if err := n.fs.readChunks(context.WithoutCancel(ctx), n.file, dest, off); err != nil {
+	} else if err := n.fs.readChunks(context.WithoutCancel(ctx), n.file, dest, off, prio); err != nil {
 		// Never serve unverified or partial data: fail the read. The fetch
 		// scheduler has already retried until its deadline.
 		return nil, syscall.EIO
@@ -153,7 +171,7 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 }
 
 // readChunks fills dest with the file's bytes at off.
-func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64) error {
+func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64, prio fetch.Priority) error {
 	chunks := file.Chunks
 	i := sort.Search(len(chunks), func(i int) bool { return chunks[i].End() > off })
 	done := 0
@@ -164,7 +182,7 @@ func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64)
 		c := chunks[i]
 		pos := off + int64(done) - c.Offset
 		part := dest[done:min(len(dest), done+int(c.Size-pos))]
-		if err := f.readChunk(ctx, c, part, pos); err != nil {
+		if err := f.readChunk(ctx, c, part, pos, prio); err != nil {
 			return err
 		}
 		done += len(part)
@@ -174,7 +192,7 @@ func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64)
 }
 
 // readChunk fills p with chunk c's bytes from offset pos within it.
-func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64) error {
+func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64, prio fetch.Priority) error {
 	if c.Encoding == format.EncodingZero {
 		clear(p)
 		return nil
@@ -187,7 +205,7 @@ func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64)
 	f.stats.DemandChunks.Add(1)
 	bp := f.bufs.Get().(*[]byte)
 	defer f.bufs.Put(bp)
-	data, err := f.src.Get(ctx, c, *bp)
+	data, err := f.src.Get(ctx, c, *bp, prio)
 	if err != nil {
 		return err
 	}
@@ -216,3 +234,5 @@ func MountOptions(name string) *fs.Options {
 		},
 	}
 }
+
+var debugReads = os.Getenv("CRYO_DEBUG_READS") != ""
