@@ -91,6 +91,16 @@ func (p *Puller) Cache() *cache.Store { return p.cache }
 type Source struct {
 	Index     ocispec.Descriptor
 	Endpoints []fetch.Endpoint
+	// Prefetch, if set, lists the byte ranges to load first, in order (a
+	// prefetch profile: what an app touched first in an earlier restore);
+	// everything else follows in ascending offset order.
+	Prefetch []Range
+}
+
+// Range is a byte range of a file of the snapshot.
+type Range struct {
+	Path           string
+	Offset, Length int64
 }
 
 // FUSEAvailable reports whether this node can mount FUSE filesystems.
@@ -286,13 +296,14 @@ func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]image
 // materializes the snapshot.
 func (m *Mount) loadAll(ctx context.Context, lazy []*imagefs.File) error {
 	var pending []*fetch.Pending
-	for _, f := range lazy {
-		pending = append(pending, m.sched.Prefetch(f.Chunks)...)
-		for _, c := range f.Chunks {
-			if c.Encoding == format.EncodingZero || m.p.cache.Has(c.Digest) {
-				m.local.Add(c.Size)
+	for _, c := range prefetchOrder(lazy, m.src.Prefetch) {
+		if c.Encoding != format.EncodingZero && !m.p.cache.Has(c.Digest) {
+			if ps := m.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
+				pending = append(pending, ps[0])
+				continue
 			}
 		}
+		m.local.Add(c.Size)
 	}
 	for _, pd := range pending {
 		if err := pd.Wait(ctx); err != nil {
@@ -307,6 +318,39 @@ func (m *Mount) loadAll(ctx context.Context, lazy []*imagefs.File) error {
 	err := m.materialize()
 	m.finish(err)
 	return err
+}
+
+// prefetchOrder lists every chunk of the lazy files once: first those
+// covering the ranges of the prefetch list, in its order, then the rest in
+// file and offset order.
+func prefetchOrder(lazy []*imagefs.File, list []Range) []format.Chunk {
+	type key struct{ file, chunk int }
+	seen := map[key]bool{}
+	var out []format.Chunk
+	add := func(fi, ci int) {
+		if k := (key{fi, ci}); !seen[k] {
+			seen[k] = true
+			out = append(out, lazy[fi].Chunks[ci])
+		}
+	}
+	for _, r := range list {
+		for fi, f := range lazy {
+			if f.Path != r.Path {
+				continue
+			}
+			t := format.Table{Chunks: f.Chunks}
+			first, last := t.Locate(r.Offset, r.Length)
+			for ci := first; ci < last; ci++ {
+				add(fi, ci)
+			}
+		}
+	}
+	for fi, f := range lazy {
+		for ci := range f.Chunks {
+			add(fi, ci)
+		}
+	}
+	return out
 }
 
 // materialize writes the snapshot as a plain image dir from the node cache,

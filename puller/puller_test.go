@@ -432,3 +432,35 @@ func TestEagerFallbackWithoutFUSE(t *testing.T) {
 		t.Fatal("pages.img differs")
 	}
 }
+
+func TestPrefetchListComesFirst(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	_, s := push(t, r, "app", synth.Random, 8<<20, 9)
+	info := int64(8 << 20)
+	s.Prefetch = []Range{{Path: "pages.img", Offset: info - (1 << 20), Length: 1 << 20}, {Path: "pages.img", Offset: 3 << 20, Length: 4096}}
+	m := mount(t, newPuller(t, Options{KeepFetchLog: true, Workers: 1}), s)
+	waitLoaded(t, m)
+	var log []fetch.LogEntry
+	for _, e := range m.FetchLog() {
+		if !e.Demand() { // the small files were fetched on demand before
+			log = append(log, e)
+		}
+	}
+	if len(log) < 4 {
+		t.Fatalf("only %d prefetches", len(log))
+	}
+	// With one worker, the listed ranges are fetched first, in list order.
+	if log[0].Offset > info-(1<<20) || log[0].Offset+(1<<20) <= info-(1<<20) {
+		t.Errorf("first fetch at offset %d, want the chunk covering the last MiB", log[0].Offset)
+	}
+	found := false
+	for _, e := range log[:4] {
+		if e.Offset <= 3<<20 && 3<<20 < e.Offset+(1<<20) {
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("the chunk at 3 MiB was not among the first fetches: %+v", log[:4])
+	}
+}

@@ -113,7 +113,7 @@ func BenchmarkRestore(b *testing.B) {
 					}
 					before := blobBytes(b, reg.MetricsAddr)
 					rc := app.StartRestoreWith(b, cmd)
-					app.NextCount(b)
+					app.WaitLine(b, `^count [0-9]+$`, 30*time.Minute)
 					running := time.Since(rc.Start).Seconds()
 					if err := rc.Wait(30 * time.Minute); err != nil {
 						stdout, stderr := rc.Output()
