@@ -99,8 +99,9 @@ type Source struct {
 
 // Range is a byte range of a file of the snapshot.
 type Range struct {
-	Path           string
-	Offset, Length int64
+	Path   string `json:"path"`
+	Offset int64  `json:"offset"`
+	Length int64  `json:"length"`
 }
 
 // FUSEAvailable reports whether this node can mount FUSE filesystems.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -27,6 +28,7 @@ type pullerFlags struct {
 	noFUSE    bool
 	workers   int
 	deadline  time.Duration
+	prefetch  string
 }
 
 func (f *pullerFlags) register(cmd *cobra.Command) {
@@ -38,6 +40,7 @@ func (f *pullerFlags) register(cmd *cobra.Command) {
 	fl.BoolVar(&f.noFUSE, "no-fuse", false, "do not use FUSE: pull the whole snapshot before returning")
 	fl.IntVar(&f.workers, "workers", 12, "chunks fetched at once")
 	fl.DurationVar(&f.deadline, "deadline", 5*time.Minute, "how long a chunk is retried before its read fails")
+	fl.StringVar(&f.prefetch, "prefetch-list", "", `JSON file of byte ranges to load first, in order: [{"path": "pages.img", "offset": 0, "length": 1048576}, ...]`)
 }
 
 func (f *pullerFlags) open() (*puller.Puller, error) {
@@ -47,7 +50,18 @@ func (f *pullerFlags) open() (*puller.Puller, error) {
 // source resolves ref on the mirrors, then on its own registry, and
 // returns the snapshot and its endpoints in that order.
 func (f *pullerFlags) source(ctx context.Context, ref string) (puller.Source, error) {
-	return resolveSource(ctx, ref, f.mirrors, f.ro.clientOptions())
+	src, err := resolveSource(ctx, ref, f.mirrors, f.ro.clientOptions())
+	if err != nil || f.prefetch == "" {
+		return src, err
+	}
+	data, err := os.ReadFile(f.prefetch)
+	if err != nil {
+		return src, fmt.Errorf("prefetch list: %w", err)
+	}
+	if err := json.Unmarshal(data, &src.Prefetch); err != nil {
+		return src, fmt.Errorf("prefetch list %s: %w", f.prefetch, err)
+	}
+	return src, nil
 }
 
 func resolveSource(ctx context.Context, ref string, mirrors []string, opts transfer.ClientOptions) (puller.Source, error) {
