@@ -13,6 +13,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -52,6 +53,9 @@ type Options struct {
 	FetchMetrics *fetch.Metrics
 	// KeepFetchLog records every fetch, for tests.
 	KeepFetchLog bool
+	// ReadLog, if set, gets a line for every FUSE read (file, offset,
+	// length, start, duration), to see where a restore waits.
+	ReadLog io.Writer
 }
 
 // Puller mounts snapshots on a node.
@@ -211,7 +215,7 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 		m.ready = time.Since(m.start)
 		return m, nil
 	}
-	root := imagefs.New(files, p.cache, m.sched, &m.fsStats)
+	root := imagefs.New(files, p.cache, m.sched, &m.fsStats, p.opts.ReadLog)
 	server, err := fs.Mount(dir, root, imagefs.MountOptions("cryo:"+src.Index.Digest.Encoded()[:12]))
 	if err != nil {
 		m.close()

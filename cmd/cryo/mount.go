@@ -29,6 +29,7 @@ type pullerFlags struct {
 	workers   int
 	deadline  time.Duration
 	prefetch  string
+	readLog   string
 }
 
 func (f *pullerFlags) register(cmd *cobra.Command) {
@@ -40,11 +41,20 @@ func (f *pullerFlags) register(cmd *cobra.Command) {
 	fl.BoolVar(&f.noFUSE, "no-fuse", false, "do not use FUSE: pull the whole snapshot before returning")
 	fl.IntVar(&f.workers, "workers", 12, "chunks fetched at once")
 	fl.DurationVar(&f.deadline, "deadline", 5*time.Minute, "how long a chunk is retried before its read fails")
+	fl.StringVar(&f.readLog, "read-log", "", "write a line per FUSE read (file, offset, length, start, duration) to this file, to see where a restore waits")
 	fl.StringVar(&f.prefetch, "prefetch-list", "", `JSON file of byte ranges to load first, in order: [{"path": "pages.img", "offset": 0, "length": 1048576}, ...]`)
 }
 
 func (f *pullerFlags) open() (*puller.Puller, error) {
-	return puller.New(puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, NoFUSE: f.noFUSE})
+	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, NoFUSE: f.noFUSE}
+	if f.readLog != "" {
+		w, err := os.Create(f.readLog)
+		if err != nil {
+			return nil, fmt.Errorf("--read-log: %w", err)
+		}
+		opts.ReadLog = w
+	}
+	return puller.New(opts)
 }
 
 // source resolves ref on the mirrors, then on its own registry, and

@@ -12,7 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
+	"io"
 	"path"
 	"sort"
 	"strings"
@@ -71,14 +71,18 @@ type FS struct {
 	src   Source
 	stats *Stats
 	bufs  sync.Pool
+	// readLog, if set, gets a line per read: file, offset, length, start
+	// and duration (where a restore's milliseconds go).
+	readLog io.Writer
 }
 
 var _ = (fs.NodeOnAdder)((*FS)(nil))
 
 // New returns the root of a filesystem holding files, whose lazy chunks are
-// read from c or, on a miss, from src.
-func New(files []File, c *cache.Store, src Source, stats *Stats) *FS {
-	f := &FS{files: files, cache: c, src: src, stats: stats}
+// read from c or, on a miss, from src. readLog, if not nil, gets a line per
+// read.
+func New(files []File, c *cache.Store, src Source, stats *Stats, readLog io.Writer) *FS {
+	f := &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog}
 	f.bufs.New = func() any { return new([]byte) }
 	return f
 }
@@ -145,10 +149,10 @@ func (n *fileNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 // scheduler's deadline bounds the wait instead.
 func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	n.fs.stats.Reads.Add(1)
-	if debugReads {
+	if n.fs.readLog != nil {
 		t0 := time.Now()
 		defer func() {
-			fmt.Fprintf(os.Stderr, "READ %s off=%d len=%d start=%s took=%s\n", n.file.Path, off, len(dest), t0.Format("15:04:05.000"), time.Since(t0))
+			fmt.Fprintf(n.fs.readLog, "read %s off=%d len=%d start=%s took=%s\n", n.file.Path, off, len(dest), t0.Format("15:04:05.000000"), time.Since(t0))
 		}()
 	}
 	if off >= n.file.Size {
@@ -234,5 +238,3 @@ func MountOptions(name string) *fs.Options {
 		},
 	}
 }
-
-var debugReads = os.Getenv("CRYO_DEBUG_READS") != ""
