@@ -191,6 +191,14 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 			id := restoreArgs[len(restoreArgs)-1]
 			// stdout belongs to the container: cryo's messages go to stderr.
 			msg := cmd.ErrOrStderr()
+			start := time.Now()
+			// Ask runsc its version while the snapshot is resolved.
+			type version struct {
+				v   string
+				err error
+			}
+			vc := make(chan version, 1)
+			go func() { v, err := runscVersion(runsc); vc <- version{v, err} }()
 			p, err := pf.open()
 			if err != nil {
 				return err
@@ -199,11 +207,11 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 			if err != nil {
 				return err
 			}
-			start := time.Now()
-			localVersion, err := runscVersion(runsc)
-			if err != nil {
-				return err
+			lv := <-vc
+			if lv.err != nil {
+				return lv.err
 			}
+			localVersion := lv.v
 			// Check before mounting: a refused snapshot fetches no chunk.
 			if err := checkSnapshotVersion(ctx, src, localVersion, ref); err != nil {
 				return err

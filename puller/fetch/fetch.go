@@ -89,9 +89,7 @@ type Scheduler struct {
 	mu   sync.Mutex
 	cond *sync.Cond
 	// queues holds the calls waiting at each priority; active counts the
-	// calls in flight at each. A call runs only while no call of a higher
-	// priority waits or runs, so the read a sandbox is blocked on has the
-	// link to itself.
+	// calls in flight at each.
 	queues [numPriorities][]*call
 	active [numPriorities]int
 	calls  map[digest.Digest]*call
@@ -254,11 +252,13 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 }
 
 // next takes the next call to run: the newest urgent call, else the oldest
-// demand call, else the next prefetch; each only while nothing of a higher
-// priority waits or runs. A restoring sandbox keeps many reads in flight
-// (gVisor's background loader issues up to 128 at once, in ascending
-// order); the read its application is blocked on arrives last and must not
-// share the link with them.
+// demand call, else, only while no read waits or runs, the next prefetch.
+// A restoring sandbox keeps many reads in flight (gVisor's background
+// loader issues up to 128 at once, in ascending order); the read its
+// application is blocked on arrives last, so urgent calls go newest first.
+// Urgent calls do not hold demand calls back: that would serialize the
+// loader behind every page fault. Prefetches wait while reads are served,
+// which covers the whole file anyway.
 func (s *Scheduler) next() *call {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -267,14 +267,14 @@ func (s *Scheduler) next() *call {
 			return nil
 		}
 		for p := numPriorities - 1; p >= 0; p-- {
+			if p == Prefetch && (s.active[Urgent]+s.active[Demand] > 0) {
+				break
+			}
 			if cl := s.pop(p); cl != nil {
 				cl.started = true
 				s.active[p]++
 				s.record(cl)
 				return cl
-			}
-			if len(s.queues[p]) > 0 || s.active[p] > 0 {
-				break // something of this priority waits or runs: nothing lower starts
 			}
 		}
 		s.cond.Wait()
