@@ -464,3 +464,47 @@ func TestPrefetchListComesFirst(t *testing.T) {
 		t.Errorf("the chunk at 3 MiB was not among the first fetches: %+v", log[:4])
 	}
 }
+
+// TestRegistryKilledMidLoad kills the registry process (SIGKILL) right after
+// the mount is ready and starts it again a second later on the same
+// storage: reads made meanwhile wait, the load completes, the bytes are
+// right.
+func TestRegistryKilledMidLoad(t *testing.T) {
+	needFUSE(t)
+	real := testenv.StartRegistry(t, "")
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, synth.Random, 32<<20, 10); err != nil {
+		t.Fatal(err)
+	}
+	repo, _, err := transfer.Repository(real.Addr+"/app:v1", transfer.ClientOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := transfer.Push(context.Background(), dir, repo, "v1", transfer.PushOptions{Pack: format.PackOptions{Chunking: smallChunks}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := Source{Index: res.Descriptor, Endpoints: []fetch.Endpoint{{Name: "primary", Store: repo}}}
+	m := mount(t, newPuller(t, Options{Workers: 2}), src)
+	real.Stop()
+	if pr := m.Progress(); pr.LocalBytes >= pr.TotalBytes {
+		t.Fatal("the load finished before the registry was killed: test data too small")
+	}
+	done := make(chan []byte)
+	go func() {
+		data, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
+		done <- data
+	}()
+	time.Sleep(time.Second)
+	real.Start(t)
+	want, _ := os.ReadFile(filepath.Join(dir, "pages.img"))
+	select {
+	case got := <-done:
+		if !bytes.Equal(got, want) {
+			t.Fatal("pages.img differs after the registry restarted")
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("read did not complete after the registry restarted")
+	}
+	waitLoaded(t, m)
+}
