@@ -8,9 +8,10 @@ import (
 
 // remoteOptions are the flags of every command that talks to a registry.
 type remoteOptions struct {
-	plainHTTP          bool
-	username, password string
-	cmd                *cobra.Command
+	plainHTTP, insecure bool
+	username, password  string
+	caFile              string
+	cmd                 *cobra.Command
 }
 
 func (o *remoteOptions) register(cmd *cobra.Command) {
@@ -19,10 +20,12 @@ func (o *remoteOptions) register(cmd *cobra.Command) {
 	f.BoolVar(&o.plainHTTP, "plain-http", false, "talk HTTP instead of HTTPS (default for localhost and 127.0.0.1)")
 	f.StringVarP(&o.username, "username", "u", "", "registry user name (default: Docker's credential store)")
 	f.StringVarP(&o.password, "password", "p", "", "registry password or token (default: Docker's credential store)")
+	f.StringVar(&o.caFile, "ca-file", "", "PEM file of CA certificates to trust for the registry's TLS certificate, besides the system's")
+	f.BoolVar(&o.insecure, "insecure", false, "do not verify the registry's TLS certificate (testing only)")
 }
 
 func (o *remoteOptions) clientOptions() transfer.ClientOptions {
-	opts := transfer.ClientOptions{Username: o.username, Password: o.password}
+	opts := transfer.ClientOptions{Username: o.username, Password: o.password, CAFile: o.caFile, Insecure: o.insecure}
 	if o.cmd != nil && o.cmd.Flags().Changed("plain-http") {
 		opts.PlainHTTP = &o.plainHTTP
 	}
