@@ -265,17 +265,10 @@ func TestPackRefusesBadDirs(t *testing.T) {
 		},
 		"fifo":      func(dir string) string { mkfifo(t, filepath.Join(dir, "p")); return dir },
 		"backslash": func(dir string) string { os.WriteFile(filepath.Join(dir, `a\b`), nil, 0o644); return dir },
-		"unreadable": func(dir string) string {
-			os.WriteFile(filepath.Join(dir, "a"), nil, 0o000)
-			return unreadableUnlessRoot(t, dir)
-		},
 	}
 	for name, mk := range cases {
 		t.Run(name, func(t *testing.T) {
 			dir := mk(t.TempDir())
-			if dir == "" {
-				t.Skip("running as root: every file is readable")
-			}
 			store := memory.New()
 			if _, _, err := Pack(ctx, dir, store, PackOptions{}); err == nil {
 				t.Fatal("want an error")
@@ -284,13 +277,6 @@ func TestPackRefusesBadDirs(t *testing.T) {
 			}
 		})
 	}
-}
-
-func unreadableUnlessRoot(t *testing.T, dir string) string {
-	if os.Geteuid() == 0 {
-		return ""
-	}
-	return dir
 }
 
 func TestDecodeRefusesBadBlobs(t *testing.T) {

@@ -163,7 +163,9 @@ func (s *Scheduler) Log() []LogEntry {
 
 // Get returns chunk c's verified bytes, from the cache or fetched now at
 // priority prio (Demand or Urgent), ahead of every prefetch. Zero chunks
-// need no fetch.
+// need no fetch. The bytes are in buf when they come from the cache;
+// bytes just fetched are shared with other readers of the chunk and must
+// not be modified.
 func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Priority) ([]byte, error) {
 	if c.Encoding == format.EncodingZero {
 		return s.codec.Decode(c, nil, buf)
@@ -188,7 +190,7 @@ func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Pr
 		return nil, cl.err
 	}
 	if cl.data != nil {
-		return append(buf[:0], cl.data...), nil
+		return cl.data, nil
 	}
 	// Fetched by a prefetch that finished first: it is in the cache.
 	return s.cache.Get(c.Digest, buf, false)

@@ -16,7 +16,6 @@ import (
 	"path"
 	"sort"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -44,7 +43,8 @@ type File struct {
 // Source supplies verified chunk bytes on demand.
 type Source interface {
 	// Get returns chunk c's bytes (fetching them now if needed, at the
-	// given priority), appended to buf[:0].
+	// given priority), in buf or in a slice shared with other readers,
+	// which the caller must not modify.
 	Get(ctx context.Context, c format.Chunk, buf []byte, prio fetch.Priority) ([]byte, error)
 }
 
@@ -70,7 +70,6 @@ type FS struct {
 	cache *cache.Store
 	src   Source
 	stats *Stats
-	bufs  sync.Pool
 	// readLog, if set, gets a line per read: file, offset, length, start
 	// and duration (where a restore's milliseconds go).
 	readLog io.Writer
@@ -82,9 +81,7 @@ var _ = (fs.NodeOnAdder)((*FS)(nil))
 // read from c or, on a miss, from src. readLog, if not nil, gets a line per
 // read.
 func New(files []File, c *cache.Store, src Source, stats *Stats, readLog io.Writer) *FS {
-	f := &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog}
-	f.bufs.New = func() any { return new([]byte) }
-	return f
+	return &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog}
 }
 
 // OnAdd builds the directory tree.
@@ -207,13 +204,12 @@ func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64,
 		return err
 	}
 	f.stats.DemandChunks.Add(1)
-	bp := f.bufs.Get().(*[]byte)
-	defer f.bufs.Put(bp)
-	data, err := f.src.Get(ctx, c, *bp, prio)
+	// The fetched bytes are shared with other readers of the chunk: copy
+	// out, never write into them.
+	data, err := f.src.Get(ctx, c, nil, prio)
 	if err != nil {
 		return err
 	}
-	*bp = data
 	copy(p, data[pos:])
 	return nil
 }
