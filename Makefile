@@ -2,7 +2,7 @@
 #
 #   make demo    checkpoint a Python app in gVisor, push it, restore it through the puller (root)
 #   make demo-format  pack, inspect, unpack and verify a synthetic image dir (no root)
-#   make test    install what tests need (fuse3, oras, runsc, oci-conformance, staticcheck), lint, run every test
+#   make test    install what tests need (fuse3, redis, oras, helm, SeaweedFS, runsc, oci-conformance, staticcheck), lint, run every test
 #   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
 #   make bench   benchmarks: pack and dedup, push/pull vs oras, the puller; results go in docs/benchmarks.md
 
@@ -14,7 +14,7 @@ DEMO_DIR   ?= $(CURDIR)/out/demo
 DEMO_SIZE  ?= 268435456
 FUZZTIME   ?= 10s
 
-.PHONY: all build runsc deps lint test test-go conformance fuzz bench bench-restore demo demo-format clean
+.PHONY: all build runsc deps lint test test-go test-charts conformance fuzz bench bench-restore demo demo-format clean
 
 all: build
 
@@ -31,6 +31,7 @@ lint: deps
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$unformatted" ]; then echo "gofmt needed: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
 	$(BIN)/staticcheck ./...
+	cd charts/test && $(GO) vet ./... && $(BIN)/staticcheck ./...
 
 # Tests that need root, FUSE or runsc skip with a printed reason on a laptop
 # and fail instead of skipping when CI=true.
@@ -44,7 +45,13 @@ fuzz:
 	$(GO) test ./format -run '^$$' -fuzz '^FuzzParseTable$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./format -run '^$$' -fuzz '^FuzzParseIndex$$' -fuzztime $(FUZZTIME)
 
-test: deps lint test-go fuzz
+# helm lint + helm template of both charts with every ci/*-values.yaml set,
+# decoded strictly against the Kubernetes API types (own module: k8s.io/api
+# stays out of cryo's go.mod).
+test-charts: build deps
+	cd charts/test && $(GO) test -count=1 ./...
+
+test: deps lint test-go test-charts fuzz
 
 # Each prints Markdown comparing cryo with the naive path in the same run.
 bench: build deps

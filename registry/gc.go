@@ -3,6 +3,7 @@ package registry
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/distribution/distribution/v3/registry/storage"
 )
@@ -16,6 +17,12 @@ type GCOptions struct {
 	// --delete-untagged does: deleting a snapshot's tag then frees its
 	// chunks. Untagged referrers (signatures, prefetch profiles) go too.
 	RemoveUntagged bool
+	// ReadOnlyWait, when positive, puts every registry serving the same
+	// storage in read-only mode for the sweep (EnterReadOnly) and waits
+	// this long first, so that they all see it (they poll every
+	// DefaultReadOnlyPoll) and uploads under way end. The mode ends when
+	// GC returns, or after ReadOnlyTimeout if GC dies.
+	ReadOnlyWait, ReadOnlyTimeout time.Duration
 }
 
 // GCResult says what GC freed.
@@ -30,13 +37,36 @@ type GCResult struct {
 // GC runs distribution's mark-and-sweep garbage collection over the
 // registry's storage, then drops chunk index and referrers entries that
 // point at deleted content. As with distribution, no pushes may run
-// meanwhile: stop the registry or put it in read-only mode first.
-func (s *Server) GC(ctx context.Context, opts GCOptions) (*GCResult, error) {
+// meanwhile: stop the registry, or set opts.ReadOnlyWait.
+func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err error) {
+	if opts.ReadOnlyWait > 0 && !opts.DryRun {
+		if opts.ReadOnlyTimeout <= 0 {
+			opts.ReadOnlyTimeout = 2 * time.Hour
+		}
+		if _, err := s.EnterReadOnly(ctx, "garbage collection", opts.ReadOnlyTimeout); err != nil {
+			return nil, err
+		}
+		defer func() {
+			if lerr := s.LeaveReadOnly(context.WithoutCancel(ctx)); lerr != nil && err == nil {
+				err = lerr
+			}
+		}()
+		select {
+		case <-time.After(opts.ReadOnlyWait):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 	before, err := s.Stats(ctx)
 	if err != nil {
 		return nil, err
 	}
-	res := &GCResult{BlobsBefore: before.Blobs, BlobBytesBefore: before.BlobBytes}
+	res = &GCResult{BlobsBefore: before.Blobs, BlobBytesBefore: before.BlobBytes}
+	if before.Blobs == 0 {
+		// Nothing was ever pushed (or everything is gone): distribution's
+		// sweep fails on the missing blobs directory.
+		return &GCResult{}, nil
+	}
 	if err := storage.MarkAndSweep(ctx, s.driver, s.ns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun}); err != nil {
 		return nil, fmt.Errorf("garbage collect: %w", err)
 	}

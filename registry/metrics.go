@@ -38,7 +38,16 @@ func newMetrics(s *Server) *metrics {
 			Help: "Chunk index lookups by result (hit: some blob carries the chunk; miss).",
 		}, []string{"result"}),
 	}
-	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, &statsCollector{server: s, ttl: 30 * time.Second})
+	readOnly := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "cryo_registry_read_only",
+		Help: "1 while the registry refuses writes for maintenance (a read-only marker in storage), else 0.",
+	}, func() float64 {
+		if s.readOnly.Load().Active(time.Now()) {
+			return 1
+		}
+		return 0
+	})
+	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
 }
 

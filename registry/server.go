@@ -43,6 +43,10 @@ type Options struct {
 	// metrics. They register in the process-wide Prometheus registry, so
 	// only one Server per process may have them.
 	DistributionMetrics bool
+	// ReadOnlyPoll is how often the read-only marker (see EnterReadOnly)
+	// is re-read: 0 means DefaultReadOnlyPoll, negative never (for
+	// one-off maintenance commands that serve nothing).
+	ReadOnlyPoll time.Duration
 }
 
 // Server is a running registry's HTTP handler and storage.
@@ -57,6 +61,8 @@ type Server struct {
 	metrics  *metrics
 	handler  http.Handler
 	mirrorOf string
+	readOnly readOnlyState
+	stop     context.CancelFunc
 }
 
 // New builds a Server from a distribution configuration. A configuration
@@ -89,6 +95,15 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	s.chunks = &chunkIndex{driver: driver, ns: ns, log: opts.Logger, metrics: s.metrics}
 	s.refs = &referrers{driver: driver, ns: ns}
 	s.handler = s.routes()
+	wctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	s.stop = stop
+	if opts.ReadOnlyPoll >= 0 {
+		if opts.ReadOnlyPoll == 0 {
+			opts.ReadOnlyPoll = DefaultReadOnlyPoll
+		}
+		s.refreshReadOnly(wctx)
+		go s.watchReadOnly(wctx, opts.ReadOnlyPoll)
+	}
 	return s, nil
 }
 
@@ -106,7 +121,10 @@ func (s *Server) Driver() storagedriver.StorageDriver { return s.driver }
 func (s *Server) Namespace() distribution.Namespace { return s.ns }
 
 // Close stops background work of the distribution app.
-func (s *Server) Close() error { return s.app.Shutdown() }
+func (s *Server) Close() error {
+	s.stop()
+	return s.app.Shutdown()
+}
 
 var (
 	referrersPath = regexp.MustCompile(`^/v2/(.+)/referrers/([^/]+)$`)
@@ -135,7 +153,7 @@ func (s *Server) routes() http.Handler {
 		}
 		s.app.ServeHTTP(w, r)
 	})
-	return s.metrics.instrument(mux)
+	return s.metrics.instrument(s.refuseWritesWhileReadOnly(mux))
 }
 
 // handleReady answers 200 when the storage backend answers, 503 otherwise.

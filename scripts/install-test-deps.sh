@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what cryo's tests need on a fresh machine (Debian, root, Go):
-#   - fuse3 and python3 from apt (apt-get update runs once, only if a
-#     package is missing),
+#   - fuse3, python3 and redis-server from apt (apt-get update runs once,
+#     only if a package is missing),
+#   - bin/helm: Helm 3 at HELM_VERSION, for the chart tests,
+#   - bin/weed: SeaweedFS, for the registry-replicas tests, built by
+#     scripts/build-weed.sh,
 #   - bin/oras: the oras CLI at ORAS_VERSION,
 #   - bin/runsc: built from the gVisor version pinned in conformance/gvisor
 #     by scripts/build-runsc.sh, rebuilt when bin/.runsc.stamp is stale,
@@ -12,7 +15,8 @@
 set -euo pipefail
 
 ORAS_VERSION=1.3.6
-APT_PACKAGES=(fuse3 python3)
+HELM_VERSION=3.22.0
+APT_PACKAGES=(fuse3 python3 redis-server)
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN="$REPO/bin"
@@ -50,8 +54,23 @@ else
 	say "bin/oras: $(oras_version)"
 fi
 
+# --- helm -------------------------------------------------------------------
+# A go-installed helm reports only v3.NN itself; its module version is exact.
+helm_version() { go version -m "$BIN/helm" 2>/dev/null | awk '$1 == "mod" && $2 == "helm.sh/helm/v3" {print $3}'; }
+have=$(helm_version || true)
+if [[ "$have" == "v$HELM_VERSION" ]]; then
+	say "bin/helm: $have"
+else
+	say "go install helm.sh/helm/v3/cmd/helm@v$HELM_VERSION into bin/ (have: ${have:-none})"
+	GOBIN="$BIN" GOFLAGS= go install "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
+	say "bin/helm: $(helm_version)"
+fi
+
+# --- SeaweedFS --------------------------------------------------------------
+"$REPO/scripts/build-weed.sh"
+
 # --- staticcheck ------------------------------------------------------------
-if [[ -x "$BIN/staticcheck" ]] && "$BIN/staticcheck" -version 2>/dev/null | grep -q "v0.8.2"; then
+if [[ -x "$BIN/staticcheck" ]] && "$BIN/staticcheck" -version 2>/dev/null | grep -q "(0.8.2)"; then
 	say "bin/staticcheck: $("$BIN/staticcheck" -version)"
 else
 	say "go install honnef.co/go/tools/cmd/staticcheck@v0.8.2 into bin/"

@@ -48,7 +48,8 @@ lazily from the node cache and the registry (mirrors first):
   GET    /v1/mounts/{id}
   POST   /v1/mounts/{id}/wait  returns once every chunk is local
   DELETE /v1/mounts/{id}       unmount
-  GET    /metrics              Prometheus metrics (also on --metrics-addr)
+  GET    /metrics              Prometheus metrics (also on --metrics-addr,
+                               which serves only /metrics and /healthz)
 
 Logs are structured (JSON) on stderr.`,
 		Example: `  cryo puller serve --socket /run/cryo/puller.sock --cache /var/lib/cryo --mirror mirror.eu:5000
@@ -93,7 +94,7 @@ Logs are structured (JSON) on stderr.`,
 				if err != nil {
 					return fmt.Errorf("listen for metrics: %w", err)
 				}
-				msrv = &http.Server{Handler: d.Handler(), ReadHeaderTimeout: 10 * time.Second}
+				msrv = &http.Server{Handler: d.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second}
 				go func() { errc <- msrv.Serve(mln) }()
 			}
 			log.Info("puller serving", "socket", socket, "cache", pf.cacheDir, "mounts", mountsDir, "mirrors", pf.mirrors, "metrics", metricsAddr)
@@ -116,6 +117,6 @@ Logs are structured (JSON) on stderr.`,
 	pf.register(cmd)
 	cmd.Flags().StringVar(&socket, "socket", "/run/cryo/puller.sock", "unix socket of the API")
 	cmd.Flags().StringVar(&mountsDir, "mounts", "", "where mounts are made (default <cache>/mounts); must be visible to runsc")
-	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "also serve /metrics (and the API) on this TCP address, e.g. 127.0.0.1:9102")
+	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve /metrics and /healthz (not the mount API, which stays on --socket) on this TCP address, e.g. :9102")
 	return cmd
 }

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"time"
 
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/distribution/distribution/v3/configuration"
@@ -57,7 +58,7 @@ func (f *storeFlags) open(ctx context.Context) (*registry.Server, error) {
 	if err := registry.ConfigureLogging(cfg); err != nil {
 		return nil, err
 	}
-	return registry.New(ctx, cfg, registry.Options{})
+	return registry.New(ctx, cfg, registry.Options{ReadOnlyPoll: -1})
 }
 
 func newRegistryCmd() *cobra.Command {
@@ -150,6 +151,7 @@ func newRegistryGCCmd() *cobra.Command {
 		sf                     storeFlags
 		dryRun, deleteUntagged bool
 		asJSON                 bool
+		roWait, roTimeout      time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "gc",
@@ -161,9 +163,16 @@ shared with snapshots that remain are kept.
 
 To delete a snapshot, delete its tag (or its index by digest) through the
 registry API, then run gc with --delete-untagged, which also removes
-manifests no tag reaches, with everything only they reference. Like
-distribution, gc must not run while pushes happen: stop the registry or put it
-in read-only mode (storage.maintenance.readonly) first.`,
+manifests no tag reaches, with everything only they reference.
+
+Like distribution's, cryo's gc must not run while pushes happen. With
+--read-only-wait D it puts every registry serving the same storage in
+read-only mode (a marker in the storage that they re-read every 5s; pushes
+get 503 UNAVAILABLE with Retry-After, pulls go on), waits D, sweeps, and ends
+read-only mode. A gc that dies leaves the mode for --read-only-timeout at most.
+Without it, stop the registries (or set storage.maintenance.readonly) first.`,
+		Example: `  cryo registry gc --root /var/lib/cryo-registry --delete-untagged
+  cryo registry gc --config /etc/cryo/registry.yaml --delete-untagged --read-only-wait 15s`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			srv, err := sf.open(cmd.Context())
@@ -171,7 +180,7 @@ in read-only mode (storage.maintenance.readonly) first.`,
 				return err
 			}
 			defer srv.Close()
-			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged})
+			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyTimeout: roTimeout})
 			if err != nil {
 				return err
 			}
@@ -192,6 +201,8 @@ in read-only mode (storage.maintenance.readonly) first.`,
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be deleted, delete nothing")
 	cmd.Flags().BoolVar(&deleteUntagged, "delete-untagged", false, "also delete manifests that no tag reaches (and untagged referrers)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	cmd.Flags().DurationVar(&roWait, "read-only-wait", 0, "put the serving registries in read-only mode and wait this long before sweeping (0: they must be stopped)")
+	cmd.Flags().DurationVar(&roTimeout, "read-only-timeout", 2*time.Hour, "read-only mode ends by itself after this long, should gc die")
 	return cmd
 }
 

@@ -85,6 +85,16 @@ func (d *Daemon) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/mounts/{id}/wait", d.wait)
 	mux.HandleFunc("DELETE /v1/mounts/{id}", d.delete)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(d.gatherer, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
+	return mux
+}
+
+// MetricsHandler serves only GET /metrics and GET /healthz: what may be
+// exposed on a TCP port (a pod network) without exposing the mount API.
+func (d *Daemon) MetricsHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(d.gatherer, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	return mux
 }
 

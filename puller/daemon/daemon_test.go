@@ -114,4 +114,17 @@ func TestAPI(t *testing.T) {
 	}
 	call("DELETE", "/v1/mounts/"+m.ID, "", http.StatusNoContent)
 	call("GET", "/v1/mounts/"+m.ID, "", http.StatusNotFound)
+
+	// The TCP (metrics) handler serves metrics and health, never the mount API.
+	mh := d.MetricsHandler()
+	for _, tc := range []struct {
+		method, path string
+		want         int
+	}{{"GET", "/metrics", 200}, {"GET", "/healthz", 200}, {"POST", "/v1/mounts", 404}, {"GET", "/v1/mounts", 404}} {
+		rec := httptest.NewRecorder()
+		mh.ServeHTTP(rec, httptest.NewRequest(tc.method, tc.path, strings.NewReader(`{"ref":"x/y:z"}`)))
+		if rec.Code != tc.want {
+			t.Errorf("metrics handler %s %s: %d, want %d", tc.method, tc.path, rec.Code, tc.want)
+		}
+	}
 }

@@ -1,0 +1,116 @@
+package registry
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+// replica starts an in-process registry on root that re-reads the
+// read-only marker every poll.
+func replica(t *testing.T, root string, poll time.Duration) (*Server, *httptest.Server) {
+	t.Helper()
+	cfg, err := DefaultConfig(root, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := New(context.Background(), cfg, Options{ReadOnlyPoll: poll})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(srv.Handler())
+	t.Cleanup(func() { hs.Close(); srv.Close() })
+	return srv, hs
+}
+
+// startUpload asks for a blob upload and returns the status and body.
+func startUpload(t *testing.T, base string) (int, string) {
+	t.Helper()
+	resp, err := http.Post(base+"/v2/app/blobs/uploads/", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}
+
+// waitStatus polls startUpload until it answers want (bounded, so that a
+// replica that never sees the marker fails the test rather than hangs).
+func waitStatus(t *testing.T, base string, want int) string {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, body := startUpload(t, base)
+		if code == want {
+			return body
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("upload on %s: %d %s, want %d", base, code, body, want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestGCPutsEveryReplicaInReadOnlyMode(t *testing.T) {
+	root := t.TempDir()
+	_, a := replica(t, root, 20*time.Millisecond)
+	_, b := replica(t, root, 20*time.Millisecond)
+	gcSrv, _ := replica(t, root, -1)
+	if code, body := startUpload(t, b.URL); code != http.StatusAccepted {
+		t.Fatalf("upload before gc: %d %s", code, body)
+	}
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := gcSrv.GC(context.Background(), GCOptions{RemoveUntagged: true, ReadOnlyWait: time.Second, ReadOnlyTimeout: time.Minute})
+		done <- err
+	}()
+	for _, base := range []string{a.URL, b.URL} {
+		body := waitStatus(t, base, http.StatusServiceUnavailable)
+		if !strings.Contains(body, "UNAVAILABLE") || !strings.Contains(body, "garbage collection") {
+			t.Errorf("read-only answer does not say why: %s", body)
+		}
+		// Pulls go on.
+		resp, err := http.Get(base + "/v2/")
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET /v2/ while read-only: %v %v", resp, err)
+		}
+		resp.Body.Close()
+	}
+	// A second gc may not take over the mode meanwhile.
+	if _, err := gcSrv.EnterReadOnly(context.Background(), "other", time.Minute); !errors.Is(err, ErrReadOnlyHeld) {
+		t.Errorf("second EnterReadOnly: %v, want ErrReadOnlyHeld", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	for _, base := range []string{a.URL, b.URL} {
+		waitStatus(t, base, http.StatusAccepted)
+	}
+}
+
+func TestExpiredReadOnlyMarkerIsIgnored(t *testing.T) {
+	root := t.TempDir()
+	srv, hs := replica(t, root, 20*time.Millisecond)
+	if _, err := srv.EnterReadOnly(context.Background(), "crashed gc", 300*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if code, _ := startUpload(t, hs.URL); code != http.StatusServiceUnavailable {
+		t.Fatalf("upload under a fresh marker: %d", code)
+	}
+	// The marker stays in storage (its holder died) but expires.
+	waitStatus(t, hs.URL, http.StatusAccepted)
+	m, err := srv.ReadOnly(context.Background())
+	if err != nil || m == nil {
+		t.Fatalf("marker: %v %v", m, err)
+	}
+	if _, err := srv.EnterReadOnly(context.Background(), "next gc", time.Minute); err != nil {
+		t.Fatalf("entering over an expired marker: %v", err)
+	}
+}
