@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/distribution/distribution/v3/registry/storage"
+	"github.com/opencontainers/go-digest"
 )
 
 // GCOptions tune GC.
@@ -32,6 +33,9 @@ type GCResult struct {
 	// ChunkIndexPruned and ReferrersPruned count extension entries dropped
 	// because their blob or manifest is gone.
 	ChunkIndexPruned, ReferrersPruned int
+	// CacheEntriesCleared counts redis blob descriptor cache entries of
+	// deleted blobs that GC removed (0 without a redis cache).
+	CacheEntriesCleared int
 }
 
 // GC runs distribution's mark-and-sweep garbage collection over the
@@ -67,8 +71,29 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 		// sweep fails on the missing blobs directory.
 		return &GCResult{}, nil
 	}
+	var blobsBefore map[digest.Digest]bool
+	if s.usesRedisCache() && !opts.DryRun {
+		if blobsBefore, err = s.blobSet(ctx); err != nil {
+			return nil, err
+		}
+	}
 	if err := storage.MarkAndSweep(ctx, s.driver, s.ns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun}); err != nil {
 		return nil, fmt.Errorf("garbage collect: %w", err)
+	}
+	if blobsBefore != nil {
+		after, err := s.blobSet(ctx)
+		if err != nil {
+			return nil, err
+		}
+		var deleted []digest.Digest
+		for d := range blobsBefore {
+			if !after[d] {
+				deleted = append(deleted, d)
+			}
+		}
+		if res.CacheEntriesCleared, err = s.clearCachedDescriptors(ctx, deleted); err != nil {
+			return nil, fmt.Errorf("clear redis blob descriptor cache after gc (replicas may report deleted blobs as present until it is cleared): %w", err)
+		}
 	}
 	if !opts.DryRun {
 		if res.ChunkIndexPruned, err = s.chunks.prune(ctx); err != nil {

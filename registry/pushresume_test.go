@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/transfer"
 )
 
@@ -61,5 +62,5 @@ func TestPushResumesAfterRegistryFailure(t *testing.T) {
 	if _, err := transfer.Pull(ctx, repo, tag, out, transfer.PullOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	sameDirs(t, img, out)
+	testenv.SameImage(t, img, out)
 }

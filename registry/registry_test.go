@@ -14,6 +14,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/klauspost/compress/zstd"
@@ -68,17 +69,6 @@ func imageDir(t *testing.T, kind synth.Kind, size int64, seed uint64) string {
 	return dir
 }
 
-func sameDirs(t *testing.T, a, b string) {
-	t.Helper()
-	for _, name := range []string{"checkpoint.img", "pages_meta.img", "pages.img"} {
-		x, err1 := os.ReadFile(filepath.Join(a, name))
-		y, err2 := os.ReadFile(filepath.Join(b, name))
-		if err1 != nil || err2 != nil || !bytes.Equal(x, y) {
-			t.Fatalf("%s differs (%v, %v)", name, err1, err2)
-		}
-	}
-}
-
 func TestPushPullRoundTrip(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
@@ -96,7 +86,7 @@ func TestPushPullRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sameDirs(t, src, out)
+	testenv.SameImage(t, src, out)
 	if pr.Kind != "cryo" || pr.FetchedBytes != res.Stats.StoredBytes {
 		t.Fatalf("pull fetched %d bytes, snapshot stores %d", pr.FetchedBytes, res.Stats.StoredBytes)
 	}
@@ -139,7 +129,7 @@ func TestChunkIndexSkipsDifferentlyEncodedChunks(t *testing.T) {
 	if _, err := transfer.Pull(ctx, repoB, tag, out, transfer.PullOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	sameDirs(t, src, out)
+	testenv.SameImage(t, src, out)
 
 	// The extension API answers single lookups too, and 404s unknown chunks.
 	resp, err := http.Get(reg.http.URL + api.ChunksPath + "/" + digest.FromString("nope").String())
@@ -386,7 +376,7 @@ func TestGCKeepsSharedChunks(t *testing.T) {
 	if _, err := transfer.Pull(ctx, repo, "two", out, transfer.PullOptions{}); err != nil {
 		t.Fatalf("the kept snapshot lost chunks: %v", err)
 	}
-	sameDirs(t, second, out)
+	testenv.SameImage(t, second, out)
 }
 
 func chunkBlobs(t *testing.T, ctx context.Context, repo *remote.Repository, idx ocispec.Descriptor) map[digest.Digest]bool {
@@ -463,7 +453,7 @@ func TestMirrorPullsThrough(t *testing.T) {
 	if _, err := transfer.Pull(ctx, mrepo, tag, out, transfer.PullOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	sameDirs(t, src, out)
+	testenv.SameImage(t, src, out)
 	// Pushing to a mirror is refused.
 	if _, err := transfer.Push(ctx, src, mrepo, "v2", transfer.PushOptions{}); err == nil {
 		t.Fatal("push to a mirror succeeded")

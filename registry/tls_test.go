@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/transfer"
 )
 
@@ -96,5 +97,5 @@ http:
 	if _, err := transfer.Pull(ctx, trusted, tag, out, transfer.PullOptions{}); err != nil {
 		t.Fatalf("pull over TLS: %v", err)
 	}
-	sameDirs(t, img, out)
+	testenv.SameImage(t, img, out)
 }

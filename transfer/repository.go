@@ -166,14 +166,20 @@ func Login(ctx context.Context, host, username, password string, plainHTTP *bool
 	return nil
 }
 
-// explain adds a hint to errors that mean the registry wants credentials.
+// explain adds a hint to errors that mean the registry wants credentials,
+// or that it failed on its side (a registry whose object store is down
+// answers 500 to everything; its /readyz says why).
 func explain(err error, repo *remote.Repository) error {
 	if err == nil {
 		return nil
 	}
 	var resp *errcode.ErrorResponse
-	if errors.Is(err, auth.ErrBasicCredentialNotFound) || (errors.As(err, &resp) && resp.StatusCode == http.StatusUnauthorized) {
+	isResp := errors.As(err, &resp)
+	switch {
+	case errors.Is(err, auth.ErrBasicCredentialNotFound) || (isResp && resp.StatusCode == http.StatusUnauthorized):
 		return fmt.Errorf("%w\nunauthorized: %s needs credentials: run `cryo login %s` or pass -u and -p", err, repo.Reference.Registry, repo.Reference.Registry)
+	case isResp && (resp.StatusCode == http.StatusInternalServerError || resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusServiceUnavailable):
+		return fmt.Errorf("%w\nthe registry %s failed on its side (HTTP %d): if its storage is unreachable, its /readyz endpoint says so; read-only mode during gc answers 503 too", err, repo.Reference.Registry, resp.StatusCode)
 	}
 	return err
 }

@@ -191,9 +191,9 @@ Without it, stop the registries (or set storage.maintenance.readonly) first.`,
 				fmt.Fprintf(cmd.OutOrStdout(), "dry run: nothing deleted (%d blobs, %s stored)\n", res.BlobsBefore, humanBytes(res.BlobBytesBefore))
 				return nil
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "gc: %d of %d blobs deleted, %s freed, %s remain; %d chunk index and %d referrer entries dropped\n",
+			fmt.Fprintf(cmd.OutOrStdout(), "gc: %d of %d blobs deleted, %s freed, %s remain; %d chunk index, %d referrer and %d redis cache entries dropped\n",
 				res.BlobsBefore-res.BlobsAfter, res.BlobsBefore, humanBytes(res.BlobBytesBefore-res.BlobBytesAfter), humanBytes(res.BlobBytesAfter),
-				res.ChunkIndexPruned, res.ReferrersPruned)
+				res.ChunkIndexPruned, res.ReferrersPruned, res.CacheEntriesCleared)
 			return nil
 		},
 	}

@@ -1,0 +1,231 @@
+package scale
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
+)
+
+// s3Config writes a distribution configuration for a replica on the
+// SeaweedFS bucket with the shared redis cache. Credentials come from the
+// environment (REGISTRY_STORAGE_S3_*), as the Helm chart passes them.
+func s3Config(t *testing.T, w *testenv.SeaweedFS, redis string) string {
+	t.Helper()
+	cfg := fmt.Sprintf(`version: 0.1
+log:
+  level: warn
+  accesslog:
+    disabled: true
+storage:
+  s3:
+    bucket: %s
+    region: us-east-1
+    regionendpoint: %s
+    forcepathstyle: true
+    secure: false
+    rootdirectory: /registry
+  cache:
+    blobdescriptor: redis
+  delete:
+    enabled: true
+  redirect:
+    disable: true
+redis:
+  addrs: [%s]
+http:
+  addr: 127.0.0.1:0
+  secret: one-secret-shared-by-every-replica
+validation:
+  manifests:
+    urls:
+      allow: ['^https?://']
+`, w.Bucket, w.S3, redis)
+	path := filepath.Join(t.TempDir(), "registry.yml")
+	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// startReplica starts `cryo registry serve --config cfg` on a free port.
+func startReplica(t *testing.T, cryo, cfg string) *testenv.Registry {
+	t.Helper()
+	addr, maddr := testenv.FreeAddr(t), testenv.FreeAddr(t)
+	r := testenv.StartCommand(t, addr, cryo, "registry", "serve", "--config", cfg, "--addr", addr, "--metrics-addr", maddr)
+	r.MetricsAddr = maddr
+	return r
+}
+
+// TestReplicasOnSeaweedFS runs two registry replicas on one SeaweedFS
+// bucket and one redis: what one replica is pushed, the other serves, to
+// cryo pull and to the puller's FUSE mount; a replica killed mid-push
+// leaves nothing half visible; gc runs against the shared store while the
+// replicas serve; the store going away turns readiness false with a clear
+// reason and loses nothing.
+func TestReplicasOnSeaweedFS(t *testing.T) {
+	cryo := testenv.Tool(t, "cryo")
+	redis := testenv.StartRedis(t)
+	weed := testenv.StartSeaweedFS(t)
+	for _, kv := range weed.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	cfg := s3Config(t, weed, redis)
+	a := startReplica(t, cryo, cfg)
+	b := startReplica(t, cryo, cfg)
+
+	img1 := imageDir(t, synth.HalfZero, 48<<20, 1)
+	img2 := editedCopy(t, img1, 8<<20, 2<<20, 99)
+
+	t.Run("push through one, pull through the other", func(t *testing.T) {
+		r := push(t, cryo, img1, a.Addr+"/app:v1")
+		if r.Stats.UploadedBytes == 0 {
+			t.Fatal("first push uploaded nothing")
+		}
+		testenv.SameImage(t, img1, pull(t, cryo, b.Addr+"/app:v1"))
+		// A later snapshot in another repository, through the other
+		// replica: the chunk index on the shared store finds the chunks.
+		r2 := push(t, cryo, img2, b.Addr+"/other:v1")
+		if r2.ChunkIndexHits == 0 || r2.Stats.UploadedBytes*5 > r2.Stats.StoredBytes {
+			t.Errorf("second snapshot through replica B uploaded %d of %d stored bytes (%d chunk index hits); want < 20%% through the shared chunk index",
+				r2.Stats.UploadedBytes, r2.Stats.StoredBytes, r2.ChunkIndexHits)
+		}
+		t.Logf("second snapshot: uploaded %d of %d stored bytes, %d chunk index hits", r2.Stats.UploadedBytes, r2.Stats.StoredBytes, r2.ChunkIndexHits)
+		testenv.SameImage(t, img2, pull(t, cryo, a.Addr+"/other:v1"))
+	})
+
+	t.Run("stream through the puller from the other replica", func(t *testing.T) {
+		dir, stop := mount(t, cryo, b.Addr+"/app:v1")
+		defer stop()
+		// pages.img is read through FUSE while it loads: what a restoring
+		// sandbox sees.
+		got, err := os.ReadFile(filepath.Join(dir, "pages.img"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, _ := os.ReadFile(filepath.Join(img1, "pages.img"))
+		if !bytes.Equal(got, want) {
+			t.Fatal("pages.img read through the puller differs from the source")
+		}
+	})
+
+	t.Run("replica killed during a push", func(t *testing.T) {
+		big := imageDir(t, synth.Random, 96<<20, 3)
+		cmd := exec.Command(cryo, "push", "--concurrency", "2", big, a.Addr+"/big:v1")
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		// Kill replica A once part of the snapshot is uploaded.
+		deadline := time.Now().Add(time.Minute)
+		for metric(t, "http://"+a.MetricsAddr+"/metrics", "cryo_registry_request_bytes_total", `kind="blob"`) < 8<<20 {
+			if time.Now().After(deadline) {
+				t.Fatalf("push did not get going:\n%s", out.String())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		a.Stop()
+		if err := cmd.Wait(); err == nil {
+			t.Fatalf("push through a killed replica succeeded:\n%s", out.String())
+		}
+		t.Logf("push through the killed replica: %s", lastLine(out.String()))
+		if code := manifestStatus(t, b.Addr, "big", "v1"); code != http.StatusNotFound {
+			t.Fatalf("after the replica died mid-push, the tag answers %d on the other replica; want 404 (nothing half visible)", code)
+		}
+		// Pushing again through the survivor completes the snapshot,
+		// reusing the chunks that did arrive.
+		r := push(t, cryo, big, b.Addr+"/big:v1")
+		if r.Stats.UploadedBytes >= r.Stats.StoredBytes {
+			t.Errorf("second push uploaded everything again (%d of %d bytes)", r.Stats.UploadedBytes, r.Stats.StoredBytes)
+		}
+		testenv.SameImage(t, big, pull(t, cryo, b.Addr+"/big:v1"))
+		a.Start(t)
+		testenv.SameImage(t, big, pull(t, cryo, a.Addr+"/big:v1"))
+	})
+
+	t.Run("gc against the shared store while replicas serve", func(t *testing.T) {
+		deleteSnapshot(t, a.Addr, "app", "v1")
+		gc := exec.Command(cryo, "registry", "gc", "--config", cfg, "--delete-untagged", "--read-only-wait", "8s")
+		var out bytes.Buffer
+		gc.Stdout, gc.Stderr = &out, &out
+		if err := gc.Start(); err != nil {
+			t.Fatal(err)
+		}
+		// Both replicas refuse pushes while gc holds read-only mode; pulls
+		// go on.
+		for _, r := range []*testenv.Registry{a, b} {
+			code, body := uploadStatus(r.Addr, http.StatusServiceUnavailable, 7*time.Second)
+			if code != http.StatusServiceUnavailable || !strings.Contains(body, "read-only") {
+				t.Errorf("replica %s during gc: upload answered %d %s; want 503 read-only", r.Addr, code, body)
+			}
+		}
+		testenv.SameImage(t, img2, pull(t, cryo, b.Addr+"/other:v1"))
+		if err := gc.Wait(); err != nil {
+			t.Fatalf("gc: %v\n%s", err, out.String())
+		}
+		t.Logf("%s", strings.TrimSpace(out.String()))
+		var deleted, total int
+		if _, err := fmt.Sscanf(out.String(), "gc: %d of %d blobs deleted", &deleted, &total); err != nil || deleted == 0 {
+			t.Fatalf("gc output %q: want some blobs deleted", out.String())
+		}
+		if !strings.Contains(out.String(), "redis cache entries dropped") {
+			t.Errorf("gc output does not report the redis cache: %s", out.String())
+		}
+		for _, r := range []*testenv.Registry{a, b} {
+			if code, body := uploadStatus(r.Addr, http.StatusAccepted, 10*time.Second); code != http.StatusAccepted {
+				t.Errorf("replica %s after gc: upload answered %d %s", r.Addr, code, body)
+			}
+		}
+		// What remains is intact, through either replica.
+		testenv.SameImage(t, img2, pull(t, cryo, a.Addr+"/other:v1"))
+		if code := manifestStatus(t, b.Addr, "app", "v1"); code != http.StatusNotFound {
+			t.Errorf("deleted snapshot answers %d", code)
+		}
+		// Pushing the deleted snapshot again must upload the chunks gc
+		// deleted: a replica that still believed them present (a stale
+		// redis cache) would accept a manifest whose blobs are gone.
+		push(t, cryo, img1, b.Addr+"/app:v1")
+		testenv.SameImage(t, img1, pull(t, cryo, a.Addr+"/app:v1"))
+	})
+
+	t.Run("object store unreachable", func(t *testing.T) {
+		weed.Stop()
+		code, body := httpStatus("http://"+a.Addr+"/readyz", http.StatusServiceUnavailable, 30*time.Second)
+		if code != http.StatusServiceUnavailable || !strings.Contains(body, "storage s3aws unreachable") {
+			t.Fatalf("readyz with the store down: %d %q; want 503 naming the storage", code, body)
+		}
+		out, err := exec.Command(cryo, "pull", b.Addr+"/other:v1", filepath.Join(t.TempDir(), "x")).CombinedOutput()
+		if err == nil {
+			t.Fatal("pull with the store down succeeded")
+		}
+		t.Logf("pull with the store down: %s", lastLine(string(out)))
+		if !strings.Contains(string(out), "other:v1") || !strings.Contains(string(out), "/readyz") {
+			t.Errorf("pull error does not name the snapshot and point at the registry's readiness: %s", out)
+		}
+		// Nothing is lost: with the store back, everything is served again.
+		weed.Start(t)
+		if code, body := httpStatus("http://"+a.Addr+"/readyz", http.StatusOK, 60*time.Second); code != http.StatusOK {
+			t.Fatalf("readyz with the store back: %d %s", code, body)
+		}
+		testenv.SameImage(t, img2, pull(t, cryo, b.Addr+"/other:v1"))
+		testenv.SameImage(t, img1, pull(t, cryo, a.Addr+"/app:v1"))
+	})
+}
+
+func lastLine(s string) string {
+	s = strings.TrimSpace(s)
+	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
+		return s[i+1:]
+	}
+	return s
+}

@@ -1,0 +1,261 @@
+package scale
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
+)
+
+// pushResult is the part of `cryo push --json` the tests read.
+type pushResult struct {
+	Stats struct {
+		LogicalBytes  int64 `json:"logicalBytes"`
+		StoredBytes   int64 `json:"storedBytes"`
+		UploadedBytes int64 `json:"uploadedBytes"`
+	} `json:"stats"`
+	ChunkIndexHits int `json:"chunkIndexHits"`
+}
+
+// push runs `cryo push --json DIR REF` and returns what it uploaded.
+func push(t *testing.T, cryo, dir, ref string) pushResult {
+	t.Helper()
+	out, err := exec.Command(cryo, "push", "--json", dir, ref).Output()
+	if err != nil {
+		t.Fatalf("cryo push %s: %v\n%s", ref, err, stderrOf(err))
+	}
+	var r pushResult
+	if err := json.Unmarshal(out, &r); err != nil {
+		t.Fatalf("cryo push --json: %v\n%s", err, out)
+	}
+	return r
+}
+
+// pull runs `cryo pull REF` into a new temp dir and returns it.
+func pull(t *testing.T, cryo, ref string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "pulled")
+	testenv.Run(t, cryo, "pull", ref, dir)
+	return dir
+}
+
+func stderrOf(err error) string {
+	if ee, ok := err.(*exec.ExitError); ok {
+		return string(ee.Stderr)
+	}
+	return ""
+}
+
+// imageDir writes a synthetic image dir.
+func imageDir(t *testing.T, kind synth.Kind, size int64, seed uint64) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// editedCopy copies image dir src and overwrites n bytes of pages.img at
+// off: a later snapshot of the same app that shares most chunks.
+func editedCopy(t *testing.T, src string, off, n int64, seed uint64) string {
+	t.Helper()
+	dst := filepath.Join(t.TempDir(), "img")
+	if err := os.MkdirAll(dst, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"checkpoint.img", "pages_meta.img", "pages.img"} {
+		data, err := os.ReadFile(filepath.Join(src, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if name == "pages.img" {
+			p, _ := synth.NewPages(synth.Random, seed)
+			p.Fill(data[off:off+n], off/synth.PageSize)
+		}
+		if err := os.WriteFile(filepath.Join(dst, name), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dst
+}
+
+// manifestStatus answers the HTTP status of HEAD /v2/<repo>/manifests/<ref>.
+func manifestStatus(t *testing.T, host, repo, ref string) int {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodHead, "http://"+host+"/v2/"+repo+"/manifests/"+ref, nil)
+	req.Header.Set("Accept", "application/vnd.oci.image.index.v1+json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// deleteSnapshot deletes the index a tag points at (distribution deletes
+// manifests by digest).
+func deleteSnapshot(t *testing.T, host, repo, tag string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodHead, "http://"+host+"/v2/"+repo+"/manifests/"+tag, nil)
+	req.Header.Set("Accept", "application/vnd.oci.image.index.v1+json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	d := resp.Header.Get("Docker-Content-Digest")
+	if resp.StatusCode != http.StatusOK || d == "" {
+		t.Fatalf("resolve %s/%s:%s: %d", host, repo, tag, resp.StatusCode)
+	}
+	req, _ = http.NewRequest(http.MethodDelete, "http://"+host+"/v2/"+repo+"/manifests/"+d, nil)
+	resp, err = http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("delete %s@%s: %d", repo, d, resp.StatusCode)
+	}
+}
+
+// metric reads the sum of a Prometheus counter's series whose labels
+// contain match (all series if "") from a /metrics URL.
+func metric(t *testing.T, url, name, match string) float64 {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sum := 0.0
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name) || (len(line) > len(name) && line[len(name)] != '{' && line[len(name)] != ' ') {
+			continue
+		}
+		if match != "" && !strings.Contains(line, match) {
+			continue
+		}
+		f := strings.Fields(line)
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		if err == nil {
+			sum += v
+		}
+	}
+	return sum
+}
+
+// httpStatus polls url until it answers want or limit passes, and returns
+// the last status and body.
+func httpStatus(url string, want int, limit time.Duration) (int, string) {
+	deadline := time.Now().Add(limit)
+	for {
+		code, body := 0, ""
+		resp, err := http.Get(url)
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			code, body = resp.StatusCode, string(b)
+		} else {
+			body = err.Error()
+		}
+		if code == want || time.Now().After(deadline) {
+			return code, body
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// uploadStatus polls POST /v2/<repo>/blobs/uploads/ until it answers want.
+func uploadStatus(host string, want int, limit time.Duration) (int, string) {
+	deadline := time.Now().Add(limit)
+	for {
+		code, body := 0, ""
+		resp, err := http.Post("http://"+host+"/v2/probe/blobs/uploads/", "", nil)
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			code, body = resp.StatusCode, string(b)
+		} else {
+			body = err.Error()
+		}
+		if code == want || time.Now().After(deadline) {
+			return code, body
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// mount runs `cryo mount REF DIR` in the background, waits for "ready",
+// and returns the dir and a stop function.
+func mount(t *testing.T, cryo, ref string, extra ...string) (string, func()) {
+	t.Helper()
+	if _, err := os.Stat("/dev/fuse"); err != nil || os.Geteuid() != 0 {
+		testenv.SkipOrFatal(t, "cryo mount needs root and /dev/fuse")
+	}
+	dir := filepath.Join(t.TempDir(), "mnt")
+	args := append([]string{"mount", ref, dir, "--cache", filepath.Join(t.TempDir(), "cache")}, extra...)
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, cryo, args...)
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 20 * time.Second
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	ready := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if strings.HasPrefix(sc.Text(), "ready") {
+				ready <- nil
+				io.Copy(io.Discard, stdout)
+				return
+			}
+		}
+		ready <- fmt.Errorf("cryo mount ended before ready")
+	}()
+	select {
+	case err := <-ready:
+		if err != nil {
+			cmd.Wait()
+			t.Fatalf("%v:\n%s", err, stderr.String())
+		}
+	case <-time.After(2 * time.Minute):
+		cancel()
+		cmd.Wait()
+		t.Fatalf("cryo mount %s: no ready after 2m:\n%s", ref, stderr.String())
+	}
+	stopped := false
+	stop := func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		cmd.Wait()
+	}
+	t.Cleanup(stop)
+	return dir, stop
+}
