@@ -21,11 +21,11 @@ var blobPath = regexp.MustCompile(`^/v2/(.+)/blobs/(sha256:[a-f0-9]{64})$`)
 // for a puller's many 1 MiB chunk requests costs more CPU than the bytes
 // (measured: 1.3 ms of server CPU per chunk request, against 0.3 ms here).
 // It reports false, having written nothing, when the request should go to
-// distribution instead: other storage drivers, a mirror (blobs may need
-// fetching upstream), or any error, which distribution then reports in its
+// distribution instead: other storage drivers, a blob a mirror has not
+// fetched from upstream yet (fillMirror runs first), or any error, which distribution then reports in its
 // own format. Blob pull notifications are not sent for blobs served here.
 func (s *Server) serveBlobFile(w http.ResponseWriter, r *http.Request, repo, ref string) bool {
-	if s.mirrorOf != "" || s.driver.Name() != "filesystem" {
+	if s.driver.Name() != "filesystem" {
 		return false
 	}
 	d, err := digest.Parse(ref)

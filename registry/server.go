@@ -32,6 +32,7 @@ import (
 
 	// Proxy (pull-through) support.
 	_ "github.com/distribution/distribution/v3/registry/proxy"
+	"golang.org/x/sync/singleflight"
 )
 
 // Options tune a Server beyond its distribution configuration.
@@ -63,6 +64,9 @@ type Server struct {
 	mirrorOf string
 	readOnly readOnlyState
 	stop     context.CancelFunc
+	// mirrorFills joins concurrent first requests for a blob in mirror
+	// mode (fillMirror).
+	mirrorFills singleflight.Group
 }
 
 // New builds a Server from a distribution configuration. A configuration
@@ -143,6 +147,9 @@ func (s *Server) routes() http.Handler {
 			return
 		}
 		if m := blobPath.FindStringSubmatch(r.URL.Path); m != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+			if s.mirrorOf != "" && r.Method == http.MethodGet {
+				s.fillMirror(r, m[1], m[2])
+			}
 			if s.serveBlobFile(w, r, m[1], m[2]) {
 				return
 			}

@@ -1,0 +1,49 @@
+package registry
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/distribution/reference"
+	"github.com/opencontainers/go-digest"
+)
+
+// Distribution's pull-through cache fetches a blob from the remote once per
+// request while another request for the same blob is still fetching it
+// ("served from the remote directly" for every concurrent request). When a
+// region's nodes restore the same new snapshot at once, every chunk would
+// cross the inter-region link once per node instead of once per mirror.
+// fillMirror puts concurrent first requests for a blob behind one fetch
+// into the mirror's storage; they are then served from there.
+
+// fillMirror makes sure blob ref of repo is in the mirror's storage before
+// r is served, fetching it once however many requests ask at the same time.
+// Errors are left to the request itself, which distribution then answers.
+func (s *Server) fillMirror(r *http.Request, repo, ref string) {
+	d, err := digest.Parse(ref)
+	if err != nil {
+		return
+	}
+	named, err := reference.WithName(repo)
+	if err != nil {
+		return
+	}
+	ctx := r.Context()
+	if local, err := s.ns.Repository(ctx, named); err == nil {
+		if _, err := local.Blobs(ctx).Stat(ctx, d); err == nil {
+			return
+		}
+	}
+	ch := s.mirrorFills.DoChan(repo+"@"+ref, func() (any, error) {
+		// The fetch outlives the request that started it: others wait on it.
+		fill := r.Clone(context.WithoutCancel(ctx))
+		fill.Method = http.MethodGet
+		fill.Header.Del("Range")
+		s.app.ServeHTTP(discardWriter{header: http.Header{}}, fill)
+		return nil, nil
+	})
+	select {
+	case <-ch:
+	case <-ctx.Done():
+	}
+}
