@@ -5,6 +5,7 @@
 #   make test    install what tests need (fuse3, redis, oras, helm, SeaweedFS, runsc, oci-conformance, staticcheck), lint, run every test
 #   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
 #   make bench   benchmarks: pack and dedup, push/pull vs oras, the puller; results go in docs/benchmarks.md
+#   make bench-load  32 concurrent pullers against one registry and two replicas
 
 SHELL      := /bin/bash
 GO         ?= go
@@ -14,7 +15,7 @@ DEMO_DIR   ?= $(CURDIR)/out/demo
 DEMO_SIZE  ?= 268435456
 FUZZTIME   ?= 10s
 
-.PHONY: all build runsc deps lint test test-go test-charts conformance fuzz bench bench-restore demo demo-format clean
+.PHONY: all build runsc deps lint test test-go test-charts conformance fuzz bench bench-restore bench-load demo demo-format clean
 
 all: build
 
@@ -85,3 +86,10 @@ clean:
 # chart go in docs/benchmarks.md.
 bench-restore: build deps
 	$(GO) test ./bench/restore -run '^$$' -bench Restore -benchtime 1x -timeout 120m -chart $(CURDIR)/docs/restore-loopback.png
+
+# Many pullers against one registry and two replicas: 32 pullers fetching
+# one 1 GiB snapshot, and 32 distinct snapshots sharing 80% of their chunks,
+# cryo beside single-blob artifacts. Results and the chart go in
+# docs/benchmarks.md.
+bench-load: build deps
+	$(GO) run ./bench/loadbench -chart $(CURDIR)/docs/load.png

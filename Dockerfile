@@ -1,0 +1,14 @@
+# The cryo image the Helm charts run (registry, gc job and node puller are
+# all this one static binary). Build: docker build -t <registry>/cryo:<tag> .
+FROM golang:1.26 AS build
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN go mod download
+COPY . .
+RUN CGO_ENABLED=0 go build -trimpath -o /out/cryo ./cmd/cryo
+
+# distroless/static: CA certificates and a passwd with the nonroot user
+# (65532) the registry chart runs as; the puller chart runs it as root.
+FROM gcr.io/distroless/static-debian12:nonroot
+COPY --from=build /out/cryo /usr/local/bin/cryo
+ENTRYPOINT ["/usr/local/bin/cryo"]
