@@ -2,11 +2,11 @@ package registry
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/distribution/distribution/v3/registry/storage"
-	"github.com/opencontainers/go-digest"
 )
 
 // GCOptions tune GC.
@@ -17,13 +17,17 @@ type GCOptions struct {
 	// manifests and blobs only they reference), as distribution's
 	// --delete-untagged does: deleting a snapshot's tag then frees its
 	// chunks. Untagged referrers (signatures, prefetch profiles) go too.
+	// A tag moved to a new snapshot leaves the old one untagged: nodes
+	// still loading it would lose its chunks.
 	RemoveUntagged bool
 	// ReadOnlyWait, when positive, puts every registry serving the same
 	// storage in read-only mode for the sweep (EnterReadOnly) and waits
 	// this long first, so that they all see it (they poll every
-	// DefaultReadOnlyPoll) and uploads under way end. The mode ends when
-	// GC returns, or after ReadOnlyTimeout if GC dies.
-	ReadOnlyWait, ReadOnlyTimeout time.Duration
+	// DefaultReadOnlyPoll) and uploads under way end. The mode is a lease
+	// of ReadOnlyLease (default DefaultReadOnlyLease), renewed while GC
+	// runs; GC stops if it cannot renew it, and the mode ends one lease
+	// after a GC that dies.
+	ReadOnlyWait, ReadOnlyLease time.Duration
 }
 
 // GCResult says what GC freed.
@@ -33,35 +37,46 @@ type GCResult struct {
 	// ChunkIndexPruned and ReferrersPruned count extension entries dropped
 	// because their blob or manifest is gone.
 	ChunkIndexPruned, ReferrersPruned int
-	// CacheEntriesCleared counts redis blob descriptor cache entries of
-	// deleted blobs that GC removed (0 without a redis cache).
+	// CacheEntriesCleared counts the redis blob descriptor cache keys GC
+	// flushed after the sweep (0 without a redis cache).
 	CacheEntriesCleared int
 }
 
 // GC runs distribution's mark-and-sweep garbage collection over the
-// registry's storage, then drops chunk index and referrers entries that
+// registry's storage, flushes the shared redis blob descriptor cache if the
+// configuration has one, then drops chunk index and referrers entries that
 // point at deleted content. As with distribution, no pushes may run
-// meanwhile: stop the registry, or set opts.ReadOnlyWait.
+// meanwhile: stop the registries, or set opts.ReadOnlyWait.
 func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err error) {
+	work := ctx
 	if opts.ReadOnlyWait > 0 && !opts.DryRun {
-		if opts.ReadOnlyTimeout <= 0 {
-			opts.ReadOnlyTimeout = 2 * time.Hour
+		if opts.ReadOnlyLease <= 0 {
+			opts.ReadOnlyLease = DefaultReadOnlyLease
 		}
-		if _, err := s.EnterReadOnly(ctx, "garbage collection", opts.ReadOnlyTimeout); err != nil {
+		lease, err := s.acquireReadOnly(ctx, "garbage collection", opts.ReadOnlyLease)
+		if err != nil {
 			return nil, err
 		}
+		var cancel context.CancelCauseFunc
+		work, cancel = context.WithCancelCause(ctx)
+		stop := lease.Keep(ctx, cancel)
 		defer func() {
-			if lerr := s.LeaveReadOnly(context.WithoutCancel(ctx)); lerr != nil && err == nil {
-				err = lerr
+			stop()
+			cancel(nil)
+			// Only after the cache flush below: leaving read-only mode
+			// with stale cache entries would let a replica accept a
+			// manifest whose blobs are gone.
+			if rerr := lease.Release(context.WithoutCancel(ctx)); rerr != nil && err == nil {
+				err = rerr
 			}
 		}()
 		select {
 		case <-time.After(opts.ReadOnlyWait):
-		case <-ctx.Done():
-			return nil, ctx.Err()
+		case <-work.Done():
+			return nil, context.Cause(work)
 		}
 	}
-	before, err := s.Stats(ctx)
+	before, err := s.Stats(work)
 	if err != nil {
 		return nil, err
 	}
@@ -69,44 +84,59 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 	if before.Blobs == 0 {
 		// Nothing was ever pushed (or everything is gone): distribution's
 		// sweep fails on the missing blobs directory.
-		return &GCResult{}, nil
+		return res, nil
 	}
-	var blobsBefore map[digest.Digest]bool
-	if s.usesRedisCache() && !opts.DryRun {
-		if blobsBefore, err = s.blobSet(ctx); err != nil {
+	flush := s.usesRedisCache() && !opts.DryRun
+	if flush {
+		if err := s.oweCacheFlush(work); err != nil {
 			return nil, err
 		}
 	}
-	if err := storage.MarkAndSweep(ctx, s.driver, s.ns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun}); err != nil {
-		return nil, fmt.Errorf("garbage collect: %w", err)
+	sweepErr := storage.MarkAndSweep(work, s.driver, s.ns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun})
+	if flush {
+		// Also after a failed sweep: it may have deleted some blobs.
+		n, ferr := s.flushOwedCache(context.WithoutCancel(ctx))
+		res.CacheEntriesCleared = n
+		if ferr != nil {
+			return nil, fmt.Errorf("%w (the registries flush it themselves, refusing pushes until they can)", errors.Join(sweepErr, ferr))
+		}
 	}
-	if blobsBefore != nil {
-		after, err := s.blobSet(ctx)
-		if err != nil {
-			return nil, err
+	if sweepErr != nil {
+		if cause := context.Cause(work); cause != nil && !errors.Is(cause, ctx.Err()) {
+			sweepErr = fmt.Errorf("%w (stopped: %v)", sweepErr, cause)
 		}
-		var deleted []digest.Digest
-		for d := range blobsBefore {
-			if !after[d] {
-				deleted = append(deleted, d)
-			}
-		}
-		if res.CacheEntriesCleared, err = s.clearCachedDescriptors(ctx, deleted); err != nil {
-			return nil, fmt.Errorf("clear redis blob descriptor cache after gc (replicas may report deleted blobs as present until it is cleared): %w", err)
-		}
+		return nil, fmt.Errorf("garbage collect: %w", sweepErr)
 	}
 	if !opts.DryRun {
-		if res.ChunkIndexPruned, err = s.chunks.prune(ctx); err != nil {
+		if res.ChunkIndexPruned, err = s.chunks.prune(work); err != nil {
 			return nil, fmt.Errorf("prune chunk index: %w", err)
 		}
-		if res.ReferrersPruned, err = s.refs.prune(ctx); err != nil {
+		if res.ReferrersPruned, err = s.refs.prune(work); err != nil {
 			return nil, fmt.Errorf("prune referrers: %w", err)
 		}
 	}
-	after, err := s.Stats(ctx)
+	after, err := s.Stats(work)
 	if err != nil {
 		return nil, err
 	}
 	res.BlobsAfter, res.BlobBytesAfter = after.Blobs, after.BlobBytes
 	return res, nil
+}
+
+// acquireReadOnly enters read-only mode, waiting up to one lease for a
+// marker another holder left (a GC that died, or this job's previous run
+// restarted by its controller) to expire.
+func (s *Server) acquireReadOnly(ctx context.Context, reason string, lease time.Duration) (*ReadOnlyLease, error) {
+	deadline := time.Now().Add(lease + DefaultReadOnlyPoll)
+	for {
+		l, err := s.EnterReadOnly(ctx, reason, lease)
+		if err == nil || !errors.Is(err, ErrReadOnlyHeld) || time.Now().After(deadline) {
+			return l, err
+		}
+		select {
+		case <-time.After(DefaultReadOnlyPoll):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 }

@@ -3,6 +3,7 @@ package registry
 import (
 	"context"
 	"net/http"
+	"time"
 
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
@@ -15,6 +16,9 @@ import (
 // cross the inter-region link once per node instead of once per mirror.
 // fillMirror puts concurrent first requests for a blob behind one fetch
 // into the mirror's storage; they are then served from there.
+
+// mirrorFillTimeout bounds one blob's fetch from the upstream registry.
+const mirrorFillTimeout = 10 * time.Minute
 
 // fillMirror makes sure blob ref of repo is in the mirror's storage before
 // r is served, fetching it once however many requests ask at the same time.
@@ -35,8 +39,11 @@ func (s *Server) fillMirror(r *http.Request, repo, ref string) {
 		}
 	}
 	ch := s.mirrorFills.DoChan(repo+"@"+ref, func() (any, error) {
-		// The fetch outlives the request that started it: others wait on it.
-		fill := r.Clone(context.WithoutCancel(ctx))
+		// The fetch outlives the request that started it (others wait on
+		// it), but not a stalled upstream.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), mirrorFillTimeout)
+		defer cancel()
+		fill := r.Clone(fctx)
 		fill.Method = http.MethodGet
 		fill.Header.Del("Range")
 		s.app.ServeHTTP(discardWriter{header: http.Header{}}, fill)

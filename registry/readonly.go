@@ -2,6 +2,8 @@ package registry
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,22 +16,27 @@ import (
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 )
 
-// Read-only mode for maintenance. Distribution's garbage collection must not
-// run while blobs are pushed (a blob uploaded before its manifest would be
-// swept), and distribution's own read-only switch
+// Read-only mode for maintenance (SPEC.md 12.4). Distribution's garbage
+// collection must not run while blobs are pushed (a blob uploaded before its
+// manifest would be swept), and distribution's own read-only switch
 // (storage.maintenance.readonly) is static configuration: flipping it means
 // restarting every replica. cryo keeps a marker in the shared storage
 // instead: while it exists and has not expired, every replica refuses writes
-// with 503 UNAVAILABLE and a Retry-After header (clients retry), and keeps
-// serving pulls. `cryo registry gc --read-only-wait` writes the marker, waits
-// for the replicas to see it, sweeps, and removes it; the expiry bounds what
-// a crashed gc leaves behind.
+// with 503 UNAVAILABLE and a Retry-After header, and keeps serving pulls.
+//
+// The marker is a lease: its holder renews it every quarter of the lease and
+// deletes it when done, and only if it still holds it. A holder that dies
+// stops renewing, so the mode ends one lease later; a holder that cannot
+// renew stops its work before the lease runs out.
 
 // readOnlyPath is where the marker lives in the storage driver.
 const readOnlyPath = "/cryo/v1/maintenance/readonly"
 
 // DefaultReadOnlyPoll is how often a serving registry re-reads the marker.
 const DefaultReadOnlyPoll = 5 * time.Second
+
+// DefaultReadOnlyLease is how long a marker lives unless renewed.
+const DefaultReadOnlyLease = 2 * time.Minute
 
 // ReadOnlyMarker says who put the registry in read-only mode, why and until
 // when at the latest.
@@ -46,6 +53,10 @@ func (m *ReadOnlyMarker) Active(now time.Time) bool { return m != nil && now.Bef
 // ErrReadOnlyHeld is returned by EnterReadOnly when another holder's marker
 // is in force.
 var ErrReadOnlyHeld = errors.New("registry is already in read-only mode")
+
+// ErrReadOnlyLost is returned when a lease finds the marker gone or taken
+// over: the work it protects must stop.
+var ErrReadOnlyLost = errors.New("read-only lease lost")
 
 // ReadOnly returns the marker in the storage, or nil if there is none.
 func (s *Server) ReadOnly(ctx context.Context) (*ReadOnlyMarker, error) {
@@ -64,12 +75,23 @@ func (s *Server) ReadOnly(ctx context.Context) (*ReadOnlyMarker, error) {
 	return &m, nil
 }
 
-// EnterReadOnly writes the marker: every replica sharing the storage refuses
-// writes from its next poll on, until LeaveReadOnly or ttl. It fails with
-// ErrReadOnlyHeld if another marker is in force.
-func (s *Server) EnterReadOnly(ctx context.Context, reason string, ttl time.Duration) (*ReadOnlyMarker, error) {
-	if ttl <= 0 {
-		return nil, fmt.Errorf("read-only timeout must be positive, not %s", ttl)
+// ReadOnlyLease is a held read-only marker.
+type ReadOnlyLease struct {
+	s      *Server
+	marker ReadOnlyMarker
+	lease  time.Duration
+}
+
+// Marker returns the marker as last written.
+func (l *ReadOnlyLease) Marker() ReadOnlyMarker { return l.marker }
+
+// EnterReadOnly writes a marker that lives for lease unless renewed: every
+// replica sharing the storage refuses writes from its next poll on. It
+// fails with ErrReadOnlyHeld if another marker is in force (or another
+// holder wrote one at the same moment).
+func (s *Server) EnterReadOnly(ctx context.Context, reason string, lease time.Duration) (*ReadOnlyLease, error) {
+	if lease <= 0 {
+		return nil, fmt.Errorf("read-only lease must be positive, not %s", lease)
 	}
 	old, err := s.ReadOnly(ctx)
 	if err != nil {
@@ -77,23 +99,117 @@ func (s *Server) EnterReadOnly(ctx context.Context, reason string, ttl time.Dura
 	}
 	now := time.Now().UTC()
 	if old.Active(now) {
-		return nil, fmt.Errorf("%w by %s since %s (%s), until %s at the latest", ErrReadOnlyHeld, old.Holder, old.Since.Format(time.RFC3339), old.Reason, old.Expires.Format(time.RFC3339))
+		return nil, heldError(old)
 	}
+	token := make([]byte, 6)
+	rand.Read(token)
 	host, _ := os.Hostname()
-	m := &ReadOnlyMarker{Holder: fmt.Sprintf("%s/%d", host, os.Getpid()), Reason: reason, Since: now, Expires: now.Add(ttl)}
-	data, err := json.Marshal(m)
+	l := &ReadOnlyLease{s: s, lease: lease, marker: ReadOnlyMarker{
+		Holder: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), hex.EncodeToString(token)),
+		Reason: reason, Since: now, Expires: now.Add(lease),
+	}}
+	if err := l.write(ctx); err != nil {
+		return nil, err
+	}
+	// Two holders that both found no marker both wrote one; the one whose
+	// marker is read back holds the mode.
+	got, err := s.ReadOnly(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if err := s.driver.PutContent(ctx, readOnlyPath, data); err != nil {
-		return nil, fmt.Errorf("write read-only marker: %w", err)
+	if got == nil || got.Holder != l.marker.Holder {
+		return nil, heldError(got)
 	}
-	s.readOnly.Store(m)
-	return m, nil
+	s.readOnly.Store(&l.marker)
+	return l, nil
 }
 
-// LeaveReadOnly removes the marker.
+func heldError(m *ReadOnlyMarker) error {
+	if m == nil {
+		return ErrReadOnlyHeld
+	}
+	return fmt.Errorf("%w by %s since %s (%s), until %s unless renewed", ErrReadOnlyHeld, m.Holder, m.Since.Format(time.RFC3339), m.Reason, m.Expires.Format(time.RFC3339))
+}
+
+func (l *ReadOnlyLease) write(ctx context.Context) error {
+	data, err := json.Marshal(l.marker)
+	if err != nil {
+		return err
+	}
+	if err := l.s.driver.PutContent(ctx, readOnlyPath, data); err != nil {
+		return fmt.Errorf("write read-only marker: %w", err)
+	}
+	return nil
+}
+
+// check fails with ErrReadOnlyLost unless the marker in storage is this
+// lease's.
+func (l *ReadOnlyLease) check(ctx context.Context) error {
+	got, err := l.s.ReadOnly(ctx)
+	if err != nil {
+		return err
+	}
+	if got == nil || got.Holder != l.marker.Holder {
+		return fmt.Errorf("%w: the marker now says %v", ErrReadOnlyLost, got)
+	}
+	return nil
+}
+
+// Renew extends the lease by its length from now.
+func (l *ReadOnlyLease) Renew(ctx context.Context) error {
+	if err := l.check(ctx); err != nil {
+		return err
+	}
+	l.marker.Expires = time.Now().UTC().Add(l.lease)
+	return l.write(ctx)
+}
+
+// Keep renews the lease every quarter of its length until the returned stop
+// function is called. If a renewal fails it calls lost with the error: the
+// caller must stop the work the mode protects before the lease runs out.
+func (l *ReadOnlyLease) Keep(ctx context.Context, lost func(error)) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(l.lease / 4)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			rctx, rcancel := context.WithTimeout(ctx, l.lease/4)
+			err := l.Renew(rctx)
+			rcancel()
+			if err != nil && ctx.Err() == nil {
+				lost(fmt.Errorf("renew read-only lease: %w", err))
+				return
+			}
+		}
+	}()
+	return func() { cancel(); <-done }
+}
+
+// Release removes the marker if this lease still holds it.
+func (l *ReadOnlyLease) Release(ctx context.Context) error {
+	if err := l.check(ctx); err != nil {
+		if errors.Is(err, ErrReadOnlyLost) {
+			return nil
+		}
+		return err
+	}
+	return l.s.clearMarker(ctx)
+}
+
+// LeaveReadOnly removes whatever marker is in storage: for an operator
+// whose maintenance job died (`cryo registry read-only --leave`).
 func (s *Server) LeaveReadOnly(ctx context.Context) error {
+	return s.clearMarker(ctx)
+}
+
+func (s *Server) clearMarker(ctx context.Context) error {
 	err := s.driver.Delete(ctx, readOnlyPath)
 	var nf storagedriver.PathNotFoundError
 	if err != nil && !errors.As(err, &nf) {
@@ -103,8 +219,7 @@ func (s *Server) LeaveReadOnly(ctx context.Context) error {
 	return nil
 }
 
-// watchReadOnly re-reads the marker every poll until ctx ends. A failed
-// read keeps the last state (an unreachable store refuses writes anyway).
+// watchReadOnly re-reads the marker every poll until ctx ends.
 func (s *Server) watchReadOnly(ctx context.Context, poll time.Duration) {
 	t := time.NewTicker(poll)
 	defer t.Stop()
@@ -118,6 +233,9 @@ func (s *Server) watchReadOnly(ctx context.Context, poll time.Duration) {
 	}
 }
 
+// refreshReadOnly re-reads the marker and finishes a cache flush a
+// maintainer left undone (rediscache.go). A failed marker read keeps the
+// last state: a store that cannot be read refuses writes anyway.
 func (s *Server) refreshReadOnly(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -135,11 +253,14 @@ func (s *Server) refreshReadOnly(ctx context.Context) {
 			s.log.Info("leaving read-only mode")
 		}
 	}
+	if !m.Active(time.Now()) {
+		s.finishCacheFlush(rctx)
+	}
 }
 
 // refuseWritesWhileReadOnly answers writes with 503 while a marker is in
-// force. Reads, and the chunk index's batch lookup (a POST that writes
-// nothing), pass.
+// force or a cache flush is pending. Reads, and the chunk index's batch
+// lookup (a POST that writes nothing), pass.
 func (s *Server) refuseWritesWhileReadOnly(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.Method {
@@ -147,14 +268,21 @@ func (s *Server) refuseWritesWhileReadOnly(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		m := s.readOnly.Load()
-		if !m.Active(time.Now()) || !strings.HasPrefix(r.URL.Path, "/v2/") || r.URL.Path == "/v2/_cryo/chunks" {
+		if !strings.HasPrefix(r.URL.Path, "/v2/") || r.URL.Path == "/v2/_cryo/chunks" {
+			next.ServeHTTP(w, r)
+			return
+		}
+		var why string
+		if m := s.readOnly.Load(); m.Active(time.Now()) {
+			why = fmt.Sprintf("registry is read-only for maintenance (%s, by %s since %s); retry later", m.Reason, m.Holder, m.Since.Format(time.RFC3339))
+		} else if s.flushPending.Load() {
+			why = "registry is read-only until its blob descriptor cache is flushed after garbage collection; retry later"
+		} else {
 			next.ServeHTTP(w, r)
 			return
 		}
 		w.Header().Set("Retry-After", "30")
-		writeRegistryError(w, http.StatusServiceUnavailable, "UNAVAILABLE",
-			fmt.Sprintf("registry is read-only for maintenance (%s, by %s since %s); retry later", m.Reason, m.Holder, m.Since.Format(time.RFC3339)))
+		writeRegistryError(w, http.StatusServiceUnavailable, "UNAVAILABLE", why)
 	})
 }
 

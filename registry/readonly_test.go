@@ -2,6 +2,7 @@ package registry
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net/http"
@@ -68,7 +69,7 @@ func TestGCPutsEveryReplicaInReadOnlyMode(t *testing.T) {
 
 	done := make(chan error, 1)
 	go func() {
-		_, err := gcSrv.GC(context.Background(), GCOptions{RemoveUntagged: true, ReadOnlyWait: time.Second, ReadOnlyTimeout: time.Minute})
+		_, err := gcSrv.GC(context.Background(), GCOptions{RemoveUntagged: true, ReadOnlyWait: time.Second, ReadOnlyLease: time.Minute})
 		done <- err
 	}()
 	for _, base := range []string{a.URL, b.URL} {
@@ -98,7 +99,7 @@ func TestGCPutsEveryReplicaInReadOnlyMode(t *testing.T) {
 func TestExpiredReadOnlyMarkerIsIgnored(t *testing.T) {
 	root := t.TempDir()
 	srv, hs := replica(t, root, 20*time.Millisecond)
-	if _, err := srv.EnterReadOnly(context.Background(), "crashed gc", 300*time.Millisecond); err != nil {
+	if _, err := srv.EnterReadOnly(context.Background(), "crashed gc", 300*time.Millisecond); err != nil { // never renewed
 		t.Fatal(err)
 	}
 	if code, _ := startUpload(t, hs.URL); code != http.StatusServiceUnavailable {
@@ -112,5 +113,56 @@ func TestExpiredReadOnlyMarkerIsIgnored(t *testing.T) {
 	}
 	if _, err := srv.EnterReadOnly(context.Background(), "next gc", time.Minute); err != nil {
 		t.Fatalf("entering over an expired marker: %v", err)
+	}
+}
+
+func TestReadOnlyLeaseIsRenewedAndOnlyItsHolderReleasesIt(t *testing.T) {
+	root := t.TempDir()
+	srv, hs := replica(t, root, 20*time.Millisecond)
+	ctx := context.Background()
+	l, err := srv.EnterReadOnly(ctx, "maintenance", 200*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost := make(chan error, 1)
+	stop := l.Keep(ctx, func(err error) { lost <- err })
+	// Renewed, the mode outlasts several leases.
+	time.Sleep(time.Second)
+	if code, _ := startUpload(t, hs.URL); code != http.StatusServiceUnavailable {
+		t.Fatalf("upload under a renewed lease: %d", code)
+	}
+	// Someone else's marker replaces it (storage drivers have no
+	// compare-and-swap, so a renewal racing with the takeover may win once;
+	// the takeover is repeated until the lease notices).
+	other := ReadOnlyMarker{Holder: "other-host/1/ffff", Reason: "other job", Since: time.Now(), Expires: time.Now().Add(time.Minute)}
+	takeOver := func() {
+		data, _ := json.Marshal(other)
+		if err := srv.driver.PutContent(ctx, readOnlyPath, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var lostErr error
+	for deadline := time.Now().Add(5 * time.Second); lostErr == nil; {
+		takeOver()
+		select {
+		case lostErr = <-lost:
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the lease did not notice it was taken over")
+		}
+	}
+	if !errors.Is(lostErr, ErrReadOnlyLost) {
+		t.Errorf("lost with %v, want ErrReadOnlyLost", lostErr)
+	}
+	stop()
+	takeOver()
+	// The old holder's release leaves the new holder's marker alone.
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	m, err := srv.ReadOnly(ctx)
+	if err != nil || m == nil || m.Holder != other.Holder {
+		t.Fatalf("after the old holder's release the marker is %+v (%v); want the new holder's", m, err)
 	}
 }

@@ -7,20 +7,33 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync/atomic"
+	"time"
 
-	"github.com/distribution/distribution/v3"
-	rediscache "github.com/distribution/distribution/v3/registry/storage/cache/redis"
-	"github.com/opencontainers/go-digest"
+	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/redis/go-redis/v9"
-	"golang.org/x/sync/errgroup"
 )
 
 // Distribution's garbage collection deletes blobs from storage but not from
 // the redis blob descriptor cache that serving replicas share. A replica
 // then answers HEAD for a deleted blob with 200, a client skips uploading
 // it, the registry accepts a manifest that references it, and every pull of
-// that manifest fails. GC therefore clears the cache entries of every blob
-// it deleted, through distribution's own cache API.
+// that manifest fails. So GC flushes distribution's blob descriptor keys
+// from redis after every sweep (a cache: replicas refill it as they go).
+//
+// Crash safety: before sweeping, GC writes a flag into the shared storage
+// and deletes it only after a successful flush. A replica that finds the
+// flag with no maintainer holding read-only mode (the maintainer died, or
+// could not reach redis) flushes the cache itself, and refuses writes until
+// the flush has succeeded.
+
+// cacheFlushPath flags a blob descriptor cache flush that is still owed.
+const cacheFlushPath = "/cryo/v1/maintenance/flush-blob-descriptor-cache"
+
+// Key patterns of distribution v3's redis blob descriptor cache
+// (registry/storage/cache/redis): global descriptors, and per repository a
+// set of digests plus a descriptor hash per digest.
+var blobDescriptorKeyPatterns = []string{"blobs::*", "repository::*::blobs*"}
 
 // usesRedisCache reports whether the configuration caches blob descriptors
 // in redis.
@@ -66,71 +79,97 @@ func (s *Server) redisClient() (redis.UniversalClient, error) {
 	return redis.NewUniversalClient(opts), nil
 }
 
-// blobSet enumerates every blob digest in the storage.
-func (s *Server) blobSet(ctx context.Context) (map[digest.Digest]bool, error) {
-	set := map[digest.Digest]bool{}
-	err := s.ns.Blobs().Enumerate(ctx, func(d digest.Digest) error {
-		set[d] = true
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("enumerate blobs: %w", err)
-	}
-	return set, nil
-}
-
-// clearCachedDescriptors drops the deleted blobs from the redis cache,
-// globally and in every repository's scope. It returns how many cache
-// entries it removed.
-func (s *Server) clearCachedDescriptors(ctx context.Context, deleted []digest.Digest) (int, error) {
-	if len(deleted) == 0 {
-		return 0, nil
-	}
+// flushBlobDescriptorCache deletes every key of distribution's blob
+// descriptor cache (on every master of a redis cluster) and returns how
+// many it deleted. Other keys in the database are left alone.
+func (s *Server) flushBlobDescriptorCache(ctx context.Context) (int, error) {
 	client, err := s.redisClient()
 	if err != nil {
 		return 0, err
 	}
 	defer client.Close()
-	provider := rediscache.NewRedisBlobDescriptorCacheProvider(client)
-	var repos []string
-	if en, ok := s.ns.(distribution.RepositoryEnumerator); ok {
-		if err := en.Enumerate(ctx, func(repo string) error { repos = append(repos, repo); return nil }); err != nil {
-			return 0, fmt.Errorf("enumerate repositories: %w", err)
-		}
-	}
-	scoped := make([]distribution.BlobDescriptorService, 0, len(repos))
-	for _, repo := range repos {
-		bds, err := provider.RepositoryScoped(repo)
-		if err != nil {
-			return 0, fmt.Errorf("redis cache of %s: %w", repo, err)
-		}
-		scoped = append(scoped, bds)
-	}
-	counts := make([]int, len(deleted))
-	g, gctx := errgroup.WithContext(ctx)
-	g.SetLimit(16)
-	for i, d := range deleted {
-		g.Go(func() error {
-			for _, bds := range scoped {
-				switch err := bds.Clear(gctx, d); {
-				case err == nil:
-					counts[i]++
-				case errors.Is(err, distribution.ErrBlobUnknown):
-				default:
-					return fmt.Errorf("clear cached descriptor of %s: %w", d, err)
+	var deleted atomic.Int64
+	flush := func(ctx context.Context, c redis.UniversalClient) error {
+		for _, pattern := range blobDescriptorKeyPatterns {
+			iter := c.Scan(ctx, 0, pattern, 1000).Iterator()
+			var batch []string
+			for iter.Next(ctx) {
+				batch = append(batch, iter.Val())
+				if len(batch) == 1000 {
+					n, err := c.Unlink(ctx, batch...).Result()
+					if err != nil {
+						return err
+					}
+					deleted.Add(n)
+					batch = batch[:0]
 				}
 			}
-			if err := provider.Clear(gctx, d); err != nil && !errors.Is(err, distribution.ErrBlobUnknown) {
-				return fmt.Errorf("clear cached descriptor of %s: %w", d, err)
+			if err := iter.Err(); err != nil {
+				return err
 			}
-			counts[i]++
-			return nil
-		})
+			if len(batch) > 0 {
+				n, err := c.Unlink(ctx, batch...).Result()
+				if err != nil {
+					return err
+				}
+				deleted.Add(n)
+			}
+		}
+		return nil
 	}
-	err = g.Wait()
-	n := 0
-	for _, c := range counts {
-		n += c
+	if cluster, ok := client.(*redis.ClusterClient); ok {
+		err = cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return flush(ctx, c) })
+	} else {
+		err = flush(ctx, client)
 	}
-	return n, err
+	if err != nil {
+		return int(deleted.Load()), fmt.Errorf("flush redis blob descriptor cache: %w", err)
+	}
+	return int(deleted.Load()), nil
+}
+
+// oweCacheFlush records, before a sweep, that the cache must be flushed.
+func (s *Server) oweCacheFlush(ctx context.Context) error {
+	if err := s.driver.PutContent(ctx, cacheFlushPath, []byte(time.Now().UTC().Format(time.RFC3339)+"\n")); err != nil {
+		return fmt.Errorf("record owed cache flush: %w", err)
+	}
+	return nil
+}
+
+// flushOwedCache flushes the cache and, if that worked, removes the flag.
+func (s *Server) flushOwedCache(ctx context.Context) (int, error) {
+	n, err := s.flushBlobDescriptorCache(ctx)
+	if err != nil {
+		return n, err
+	}
+	if err := s.driver.Delete(ctx, cacheFlushPath); err != nil {
+		var nf storagedriver.PathNotFoundError
+		if !errors.As(err, &nf) {
+			return n, fmt.Errorf("clear owed cache flush: %w", err)
+		}
+	}
+	return n, nil
+}
+
+// finishCacheFlush is a serving replica's part: if a flush is owed and no
+// maintainer holds read-only mode, flush; refuse writes until it worked.
+func (s *Server) finishCacheFlush(ctx context.Context) {
+	if !s.usesRedisCache() {
+		return
+	}
+	if _, err := s.driver.Stat(ctx, cacheFlushPath); err != nil {
+		var nf storagedriver.PathNotFoundError
+		if errors.As(err, &nf) {
+			s.flushPending.Store(false)
+		}
+		return
+	}
+	s.flushPending.Store(true)
+	n, err := s.flushOwedCache(ctx)
+	if err != nil {
+		s.log.Error("owed blob descriptor cache flush failed; refusing writes until it succeeds", "err", err)
+		return
+	}
+	s.log.Info("flushed the blob descriptor cache a garbage collection left owed", "keys", n)
+	s.flushPending.Store(false)
 }

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"regexp"
+	"sync/atomic"
 	"time"
 
 	"github.com/distribution/distribution/v3"
@@ -63,7 +64,10 @@ type Server struct {
 	handler  http.Handler
 	mirrorOf string
 	readOnly readOnlyState
-	stop     context.CancelFunc
+	// flushPending is set while a blob descriptor cache flush a garbage
+	// collection owes has not succeeded (rediscache.go).
+	flushPending atomic.Bool
+	stop         context.CancelFunc
 	// mirrorFills joins concurrent first requests for a blob in mirror
 	// mode (fillMirror).
 	mirrorFills singleflight.Group

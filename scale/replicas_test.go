@@ -2,6 +2,7 @@ package scale
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
@@ -155,31 +156,35 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 
 	t.Run("gc against the shared store while replicas serve", func(t *testing.T) {
 		deleteSnapshot(t, a.Addr, "app", "v1")
-		gc := exec.Command(cryo, "registry", "gc", "--config", cfg, "--delete-untagged", "--read-only-wait", "8s")
-		var out bytes.Buffer
-		gc.Stdout, gc.Stderr = &out, &out
+		gc := exec.Command(cryo, "registry", "gc", "--json", "--config", cfg, "--delete-untagged", "--read-only-wait", "15s")
+		var out, errOut bytes.Buffer
+		gc.Stdout, gc.Stderr = &out, &errOut
 		if err := gc.Start(); err != nil {
 			t.Fatal(err)
 		}
 		// Both replicas refuse pushes while gc holds read-only mode; pulls
 		// go on.
 		for _, r := range []*testenv.Registry{a, b} {
-			code, body := uploadStatus(r.Addr, http.StatusServiceUnavailable, 7*time.Second)
+			// Replicas re-read the marker every 5 s; gc holds it 15 s.
+			code, body := uploadStatus(r.Addr, http.StatusServiceUnavailable, 12*time.Second)
 			if code != http.StatusServiceUnavailable || !strings.Contains(body, "read-only") {
 				t.Errorf("replica %s during gc: upload answered %d %s; want 503 read-only", r.Addr, code, body)
 			}
 		}
 		testenv.SameImage(t, img2, pull(t, cryo, b.Addr+"/other:v1"))
 		if err := gc.Wait(); err != nil {
-			t.Fatalf("gc: %v\n%s", err, out.String())
+			t.Fatalf("gc: %v\n%s%s", err, out.String(), errOut.String())
 		}
-		t.Logf("%s", strings.TrimSpace(out.String()))
-		var deleted, total int
-		if _, err := fmt.Sscanf(out.String(), "gc: %d of %d blobs deleted", &deleted, &total); err != nil || deleted == 0 {
-			t.Fatalf("gc output %q: want some blobs deleted", out.String())
+		var res struct{ BlobsBefore, BlobsAfter, CacheEntriesCleared int }
+		if err := json.Unmarshal(out.Bytes(), &res); err != nil {
+			t.Fatalf("gc --json: %v\n%s", err, out.String())
 		}
-		if !strings.Contains(out.String(), "redis cache entries dropped") {
-			t.Errorf("gc output does not report the redis cache: %s", out.String())
+		t.Logf("gc: %+v", res)
+		if res.BlobsAfter >= res.BlobsBefore {
+			t.Fatalf("gc deleted nothing: %+v", res)
+		}
+		if res.CacheEntriesCleared == 0 {
+			t.Errorf("gc flushed no redis cache entries: %+v", res)
 		}
 		for _, r := range []*testenv.Registry{a, b} {
 			if code, body := uploadStatus(r.Addr, http.StatusAccepted, 10*time.Second); code != http.StatusAccepted {

@@ -142,7 +142,7 @@ func run(ctx context.Context, cfg config) error {
 	if cfg.chart != "" {
 		c := barchart.Chart{Title: fmt.Sprintf("Aggregate throughput of %d concurrent pullers (GB/s of snapshot delivered)", cfg.pullers), Series: []string{"cryo", "naive (single-blob artifact)"}}
 		for i := 0; i+1 < len(results); i += 2 {
-			c.Groups = append(c.Groups, strings.TrimSuffix(results[i].scenario, " snapshots")+", "+results[i].setup)
+			c.Groups = append(c.Groups, strings.Fields(results[i].scenario)[0]+", "+strings.Replace(results[i].setup, "2 registries", "2 replicas", 1))
 			c.Values = append(c.Values, []float64{gbps(results[i].logical, results[i].wall), gbps(results[i+1].logical, results[i+1].wall)})
 		}
 		if err := barchart.WritePNG(cfg.chart, c); err != nil {

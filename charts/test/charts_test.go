@@ -28,6 +28,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
 )
 
@@ -57,6 +58,7 @@ type rendered struct {
 	secrets     []*corev1.Secret
 	services    []*corev1.Service
 	pvcs        []*corev1.PersistentVolumeClaim
+	accounts    []*corev1.ServiceAccount
 	deployments []*appsv1.Deployment
 	daemonSets  []*appsv1.DaemonSet
 	cronJobs    []*batchv1.CronJob
@@ -129,6 +131,7 @@ func TestChartsRefuseBadValues(t *testing.T) {
 		{"cryo-registry", []string{"redis.enabled=true"}, "redis.addr"},
 		{"cryo-registry", []string{"auth.htpasswd.enabled=true"}, "auth.htpasswd.existingSecret"},
 		{"cryo-puller", []string{"hostPaths.cache=var/lib/cryo"}, "hostPaths.cache"},
+		{"cryo-puller", []string{"cache.sizeBytes=200Gi"}, "cache.sizeBytes"},
 	} {
 		args := []string{"template", "r", filepath.Join(root, "charts", tc.chart)}
 		for _, s := range tc.set {
@@ -178,6 +181,8 @@ func render(t *testing.T, helm, dir, values string) *rendered {
 			obj = appendNew(&r.services)
 		case "v1/PersistentVolumeClaim":
 			obj = appendNew(&r.pvcs)
+		case "v1/ServiceAccount":
+			obj = appendNew(&r.accounts)
 		case "apps/v1/Deployment":
 			obj = appendNew(&r.deployments)
 		case "apps/v1/DaemonSet":
@@ -196,6 +201,15 @@ func render(t *testing.T, helm, dir, values string) *rendered {
 		}
 	}
 	return r
+}
+
+func labelsMatch(selector, labels map[string]string) bool {
+	for k, v := range selector {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return len(selector) > 0
 }
 
 func appendNew[T any](list *[]*T) *T {
@@ -286,10 +300,32 @@ func checkCommon(t *testing.T, r *rendered) {
 			}
 		}
 	}
+	// A Service's named target ports must be ports of the pods it selects.
 	for _, s := range r.services {
+		var selected []*corev1.PodSpec
+		for _, d := range r.deployments {
+			if labelsMatch(s.Spec.Selector, d.Spec.Template.Labels) {
+				selected = append(selected, &d.Spec.Template.Spec)
+			}
+		}
+		if len(selected) == 0 {
+			t.Errorf("Service %s selects no pod the chart renders", s.Name)
+		}
 		for _, p := range s.Spec.Ports {
-			if p.TargetPort.String() == "" {
-				t.Errorf("Service %s port %s has no target", s.Name, p.Name)
+			for _, spec := range selected {
+				if p.TargetPort.Type == intstr.String && !slices.ContainsFunc(spec.Containers, func(c corev1.Container) bool {
+					return slices.ContainsFunc(c.Ports, func(cp corev1.ContainerPort) bool { return cp.Name == p.TargetPort.StrVal })
+				}) {
+					t.Errorf("Service %s port %s targets %q, which no selected container names", s.Name, p.Name, p.TargetPort.StrVal)
+				}
+			}
+		}
+	}
+	// Pods run as the ServiceAccount the chart creates, if it creates one.
+	for _, a := range r.accounts {
+		for owner, spec := range r.podSpecs() {
+			if spec.ServiceAccountName != a.Name {
+				t.Errorf("%s runs as %q, not the chart's ServiceAccount %s", owner, spec.ServiceAccountName, a.Name)
 			}
 		}
 	}
@@ -325,7 +361,9 @@ func checkCryoArgs(t *testing.T, cryo string, r *rendered) {
 					t.Errorf("%s/%s: argument %q is not a --flag", owner, c.Name, a)
 					continue
 				}
-				if !regexp.MustCompile(`(?m)^\s+(-\w, )?` + regexp.QuoteMeta(m) + `\b`).Match(help) {
+				// The flag, then a space (its type or its help): not a
+				// longer flag it is a prefix of.
+				if !regexp.MustCompile(`(?m)^\s+(-\w, )?` + regexp.QuoteMeta(m) + `( |$)`).Match(help) {
 					t.Errorf("%s/%s: cryo %s has no flag %s", owner, c.Name, strings.Join(command, " "), m)
 				}
 			}
@@ -354,8 +392,8 @@ func checkRegistry(t *testing.T, r *rendered) {
 		replicas = *d.Spec.Replicas
 	}
 	if replicas > 1 {
-		if cfg.Storage.Type() == "filesystem" {
-			t.Errorf("%d replicas on filesystem storage", replicas)
+		if cfg.Storage.Type() == "filesystem" && (len(r.pvcs) != 1 || !slices.Contains(r.pvcs[0].Spec.AccessModes, corev1.ReadWriteMany)) {
+			t.Errorf("%d replicas on filesystem storage without a ReadWriteMany volume", replicas)
 		}
 		if d.Spec.Strategy.Type == appsv1.RecreateDeploymentStrategyType {
 			t.Error("several replicas with the Recreate strategy: every rollout is an outage")

@@ -70,7 +70,7 @@ the OCI 1.1 referrers API, a chunk index that lets pushers skip chunks the
 registry already holds in another encoding or repository, and Prometheus
 metrics of stored bytes and the dedup ratio. Any OCI client can use it.`,
 	}
-	cmd.AddCommand(newRegistryServeCmd(), newRegistryGCCmd(), newRegistryStatsCmd())
+	cmd.AddCommand(newRegistryServeCmd(), newRegistryGCCmd(), newRegistryStatsCmd(), newRegistryReadOnlyCmd())
 	return cmd
 }
 
@@ -151,7 +151,7 @@ func newRegistryGCCmd() *cobra.Command {
 		sf                     storeFlags
 		dryRun, deleteUntagged bool
 		asJSON                 bool
-		roWait, roTimeout      time.Duration
+		roWait, roLease        time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "gc",
@@ -169,8 +169,17 @@ Like distribution's, cryo's gc must not run while pushes happen. With
 --read-only-wait D it puts every registry serving the same storage in
 read-only mode (a marker in the storage that they re-read every 5s; pushes
 get 503 UNAVAILABLE with Retry-After, pulls go on), waits D, sweeps, and ends
-read-only mode. A gc that dies leaves the mode for --read-only-timeout at most.
-Without it, stop the registries (or set storage.maintenance.readonly) first.`,
+read-only mode. The marker is a lease of --read-only-lease, renewed while gc
+runs: a gc that dies leaves the mode for one lease at most, and a gc that
+cannot renew it stops. Without --read-only-wait, stop the registries (or set
+storage.maintenance.readonly) first.
+
+With a redis blob descriptor cache in the configuration, gc flushes it after
+the sweep, before leaving read-only mode; should that fail, the registries
+flush it themselves and refuse pushes until they could.
+
+--delete-untagged also deletes snapshots whose tag moved to a newer one:
+nodes still loading such a snapshot lose its chunks.`,
 		Example: `  cryo registry gc --root /var/lib/cryo-registry --delete-untagged
   cryo registry gc --config /etc/cryo/registry.yaml --delete-untagged --read-only-wait 15s`,
 		Args: cobra.NoArgs,
@@ -180,7 +189,7 @@ Without it, stop the registries (or set storage.maintenance.readonly) first.`,
 				return err
 			}
 			defer srv.Close()
-			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyTimeout: roTimeout})
+			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyLease: roLease})
 			if err != nil {
 				return err
 			}
@@ -202,7 +211,7 @@ Without it, stop the registries (or set storage.maintenance.readonly) first.`,
 	cmd.Flags().BoolVar(&deleteUntagged, "delete-untagged", false, "also delete manifests that no tag reaches (and untagged referrers)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	cmd.Flags().DurationVar(&roWait, "read-only-wait", 0, "put the serving registries in read-only mode and wait this long before sweeping (0: they must be stopped)")
-	cmd.Flags().DurationVar(&roTimeout, "read-only-timeout", 2*time.Hour, "read-only mode ends by itself after this long, should gc die")
+	cmd.Flags().DurationVar(&roLease, "read-only-lease", registry.DefaultReadOnlyLease, "read-only mode lease, renewed every quarter of it while gc runs; it ends this long after a gc that died")
 	return cmd
 }
 
@@ -243,5 +252,53 @@ snapshots per byte of stored chunk blobs.`,
 	}
 	sf.register(cmd, false)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
+
+func newRegistryReadOnlyCmd() *cobra.Command {
+	var (
+		sf    storeFlags
+		leave bool
+	)
+	cmd := &cobra.Command{
+		Use:   "read-only",
+		Short: "Show (or end) the read-only mode of the registries on a storage",
+		Long: `Read-only shows whether the registries serving a storage are in read-only
+mode for maintenance (the marker gc --read-only-wait writes: who holds it,
+why, until when unless renewed). --leave removes the marker, for an
+operator whose maintenance job is known to be dead and who will not wait
+for its lease to run out.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			srv, err := sf.open(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer srv.Close()
+			w := cmd.OutOrStdout()
+			if leave {
+				if err := srv.LeaveReadOnly(cmd.Context()); err != nil {
+					return err
+				}
+				fmt.Fprintln(w, "read-only marker removed: the registries accept pushes from their next poll (5s)")
+				return nil
+			}
+			m, err := srv.ReadOnly(cmd.Context())
+			if err != nil {
+				return err
+			}
+			switch {
+			case m == nil:
+				fmt.Fprintln(w, "read-write: no read-only marker")
+			case !m.Active(time.Now()):
+				fmt.Fprintf(w, "read-write: an expired marker of %s (%s) lapsed at %s\n", m.Holder, m.Reason, m.Expires.Format(time.RFC3339))
+			default:
+				fmt.Fprintf(w, "read-only since %s: %s, held by %s, until %s unless renewed\n", m.Since.Format(time.RFC3339), m.Reason, m.Holder, m.Expires.Format(time.RFC3339))
+			}
+			return nil
+		},
+	}
+	sf.register(cmd, false)
+	cmd.Flags().BoolVar(&leave, "leave", false, "remove the read-only marker, whoever holds it")
 	return cmd
 }

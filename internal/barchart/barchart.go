@@ -76,7 +76,7 @@ func WritePNG(path string, c Chart) error {
 			draw.Draw(img, image.Rect(x0, h-bottom-bh, x0+barW-4, h-bottom), &image.Uniform{palette[si]}, image.Point{}, draw.Src)
 			text(x0, h-bottom-bh-4, fmt.Sprintf(c.Format, v))
 		}
-		text(left+gi*groupW+groupW/4, h-bottom+16, group)
+		text(left+gi*groupW, h-bottom+16, group)
 	}
 	draw.Draw(img, image.Rect(left-2, top, left, h-bottom), image.Black, image.Point{}, draw.Src)
 	draw.Draw(img, image.Rect(left-2, h-bottom, w-20, h-bottom+2), image.Black, image.Point{}, draw.Src)

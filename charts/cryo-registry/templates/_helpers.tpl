@@ -28,6 +28,18 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{- define "cryo-registry.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "cryo-registry.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "cryo-registry.httpSecretName" -}}
+{{- default (include "cryo-registry.fullname" .) .Values.existingHttpSecret }}
+{{- end }}
+
 {{- define "cryo-registry.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
@@ -45,8 +57,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not $s.filesystem.persistence.enabled }}
 {{- fail "replicaCount > 1 needs shared storage: storage.type=s3, or a ReadWriteMany PVC (an emptyDir is per pod)" }}
 {{- end }}
-{{- if and (not $s.filesystem.persistence.existingClaim) (not (has "ReadWriteMany" $s.filesystem.persistence.accessModes)) }}
-{{- fail "replicaCount > 1 with filesystem storage needs storage.filesystem.persistence.accessModes to include ReadWriteMany (or use storage.type=s3)" }}
+{{- if not (has "ReadWriteMany" $s.filesystem.persistence.accessModes) }}
+{{- fail "replicaCount > 1 with filesystem storage needs storage.filesystem.persistence.accessModes to include ReadWriteMany (also for an existingClaim: say what it supports), or storage.type=s3" }}
 {{- end }}
 {{- end }}
 {{- if and .Values.mirror.enabled (not .Values.mirror.remoteURL) }}
@@ -107,7 +119,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: REGISTRY_HTTP_SECRET
   valueFrom:
     secretKeyRef:
-      name: {{ include "cryo-registry.fullname" . }}
+      name: {{ include "cryo-registry.httpSecretName" . }}
       key: httpSecret
 {{- if and (eq .Values.storage.type "s3") .Values.storage.s3.existingSecret }}
 - name: REGISTRY_STORAGE_S3_ACCESSKEY
