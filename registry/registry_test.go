@@ -60,19 +60,10 @@ func (r *testRegistry) repo(t *testing.T, name string) (*remote.Repository, stri
 	return repo, ref
 }
 
-func imageDir(t *testing.T, kind synth.Kind, size int64, seed uint64) string {
-	t.Helper()
-	dir := filepath.Join(t.TempDir(), "img")
-	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
-		t.Fatal(err)
-	}
-	return dir
-}
-
 func TestPushPullRoundTrip(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
-	src := imageDir(t, synth.HalfZero, 16<<20, 1)
+	src := testenv.ImageDir(t, synth.HalfZero, 16<<20, 1)
 	repo, tag := reg.repo(t, "app:v1")
 	res, err := transfer.Push(ctx, src, repo, tag, transfer.PushOptions{})
 	if err != nil {
@@ -108,7 +99,7 @@ func TestPushPullRoundTrip(t *testing.T) {
 func TestChunkIndexSkipsDifferentlyEncodedChunks(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
-	src := imageDir(t, synth.Text, 8<<20, 2)
+	src := testenv.ImageDir(t, synth.Text, 8<<20, 2)
 	repoA, _ := reg.repo(t, "a:v1")
 	foreign := &reencoder{t: t}
 	if _, _, err := format.Pack(ctx, src, foreign.wrap(repoA), format.PackOptions{}); err != nil {
@@ -234,7 +225,7 @@ func (r *reencoder) Push(ctx context.Context, d ocispec.Descriptor, rd io.Reader
 func TestReferrers(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
-	src := imageDir(t, synth.Random, 1<<20, 3)
+	src := testenv.ImageDir(t, synth.Random, 1<<20, 3)
 	repo, tag := reg.repo(t, "app:v1")
 	res, err := transfer.Push(ctx, src, repo, tag, transfer.PushOptions{})
 	if err != nil {
@@ -325,7 +316,7 @@ func TestOCISubjectHeader(t *testing.T) {
 func TestGCKeepsSharedChunks(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
-	first := imageDir(t, synth.Random, 16<<20, 4)
+	first := testenv.ImageDir(t, synth.Random, 16<<20, 4)
 	second := filepath.Join(t.TempDir(), "img2")
 	if err := os.CopyFS(second, os.DirFS(first)); err != nil {
 		t.Fatal(err)
@@ -430,7 +421,7 @@ func TestBadConfigIsAnError(t *testing.T) {
 func TestMirrorPullsThrough(t *testing.T) {
 	ctx := context.Background()
 	primary := startRegistry(t, "")
-	src := imageDir(t, synth.HalfZero, 8<<20, 5)
+	src := testenv.ImageDir(t, synth.HalfZero, 8<<20, 5)
 	repo, tag := primary.repo(t, "app:v1")
 	if _, err := transfer.Push(ctx, src, repo, tag, transfer.PushOptions{}); err != nil {
 		t.Fatal(err)
@@ -516,7 +507,7 @@ func TestOversizedManifestIsRefused(t *testing.T) {
 func TestStatsCountDedup(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
-	src := imageDir(t, synth.Random, 4<<20, 6)
+	src := testenv.ImageDir(t, synth.Random, 4<<20, 6)
 	for _, name := range []string{"a:v1", "b:v1"} {
 		repo, tag := reg.repo(t, name)
 		if _, err := transfer.Push(ctx, src, repo, tag, transfer.PushOptions{}); err != nil {

@@ -109,7 +109,7 @@ func TestRegionalMirrors(t *testing.T) {
 	m1 := testenv.StartRegistry(t, "", "--mirror-of", "http://"+link1.host())
 	m2 := testenv.StartRegistry(t, "", "--mirror-of", "http://"+link2.host())
 
-	img := imageDir(t, synth.Random, 48<<20, 7)
+	img := testenv.ImageDir(t, synth.Random, 48<<20, 7)
 	pushed := push(t, cryo, img, primary.Addr+"/app:v1")
 	ref := direct.host() + "/app:v1"
 	blobBytes := func(r *testenv.Registry) float64 {

@@ -84,7 +84,7 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 	a := startReplica(t, cryo, cfg)
 	b := startReplica(t, cryo, cfg)
 
-	img1 := imageDir(t, synth.HalfZero, 48<<20, 1)
+	img1 := testenv.ImageDir(t, synth.HalfZero, 48<<20, 1)
 	img2 := editedCopy(t, img1, 8<<20, 2<<20, 99)
 
 	t.Run("push through one, pull through the other", func(t *testing.T) {
@@ -120,7 +120,7 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 	})
 
 	t.Run("replica killed during a push", func(t *testing.T) {
-		big := imageDir(t, synth.Random, 96<<20, 3)
+		big := testenv.ImageDir(t, synth.Random, 96<<20, 3)
 		cmd := exec.Command(cryo, "push", "--concurrency", "2", big, a.Addr+"/big:v1")
 		var out bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &out

@@ -59,16 +59,6 @@ func stderrOf(err error) string {
 	return ""
 }
 
-// imageDir writes a synthetic image dir.
-func imageDir(t *testing.T, kind synth.Kind, size int64, seed uint64) string {
-	t.Helper()
-	dir := filepath.Join(t.TempDir(), "img")
-	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
-		t.Fatal(err)
-	}
-	return dir
-}
-
 // editedCopy copies image dir src and overwrites n bytes of pages.img at
 // off: a later snapshot of the same app that shares most chunks.
 func editedCopy(t *testing.T, src string, off, n int64, seed uint64) string {
@@ -161,33 +151,24 @@ func metric(t *testing.T, url, name, match string) float64 {
 	return sum
 }
 
-// httpStatus polls url until it answers want or limit passes, and returns
-// the last status and body.
+// httpStatus polls GET url until it answers want or limit passes, and
+// returns the last status and body.
 func httpStatus(url string, want int, limit time.Duration) (int, string) {
-	deadline := time.Now().Add(limit)
-	for {
-		code, body := 0, ""
-		resp, err := http.Get(url)
-		if err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			code, body = resp.StatusCode, string(b)
-		} else {
-			body = err.Error()
-		}
-		if code == want || time.Now().After(deadline) {
-			return code, body
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	return poll(http.MethodGet, url, want, limit)
 }
 
-// uploadStatus polls POST /v2/<repo>/blobs/uploads/ until it answers want.
+// uploadStatus polls POST /v2/probe/blobs/uploads/ (starting an upload: a
+// write) until it answers want.
 func uploadStatus(host string, want int, limit time.Duration) (int, string) {
+	return poll(http.MethodPost, "http://"+host+"/v2/probe/blobs/uploads/", want, limit)
+}
+
+func poll(method, url string, want int, limit time.Duration) (int, string) {
 	deadline := time.Now().Add(limit)
 	for {
 		code, body := 0, ""
-		resp, err := http.Post("http://"+host+"/v2/probe/blobs/uploads/", "", nil)
+		req, _ := http.NewRequest(method, url, nil)
+		resp, err := http.DefaultClient.Do(req)
 		if err == nil {
 			b, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()

@@ -12,7 +12,19 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cryo-oci/cryo/internal/synth"
 )
+
+// ImageDir writes a synthetic image dir (synth.ImageDir) under a temp dir.
+func ImageDir(t testing.TB, kind synth.Kind, size int64, seed uint64) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
 
 // SameImage fails the test unless image dirs a and b hold the same
 // checkpoint.img, pages_meta.img and pages.img.
