@@ -1,8 +1,14 @@
 package puller
 
 import (
+	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 
+	"github.com/cryo-oci/cryo/puller/imagefs"
 	"golang.org/x/sys/unix"
 )
 
@@ -24,4 +30,69 @@ func unmount(dir string) error {
 		return fmt.Errorf("unmount %s: %w", dir, err)
 	}
 	return nil
+}
+
+// CleanStaleMounts detaches the image filesystems a previous puller process
+// left under dir and removes their mount points. A puller that is killed
+// (OOM, SIGKILL, a node agent restart) cannot unmount its FUSE mounts; they
+// stay behind as dead mount points ("transport endpoint is not connected")
+// that nothing can use. Bind mounts of materialized dirs stay: they work
+// without the puller. It returns how many mounts it detached.
+func CleanStaleMounts(dir string) (int, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return 0, fmt.Errorf("read mount table: %w", err)
+	}
+	prefix := filepath.Clean(dir) + "/"
+	n := 0
+	var errs []error
+	for _, line := range strings.Split(string(data), "\n") {
+		point, fstype, ok := parseMountInfo(line)
+		if !ok || fstype != "fuse."+imagefs.FSType || !strings.HasPrefix(point, prefix) {
+			continue
+		}
+		if err := unix.Unmount(point, unix.MNT_DETACH); err != nil && err != unix.EINVAL {
+			errs = append(errs, fmt.Errorf("detach stale mount %s: %w", point, err))
+			continue
+		}
+		os.Remove(point)
+		n++
+	}
+	return n, errors.Join(errs...)
+}
+
+// parseMountInfo returns the mount point and filesystem type of one line
+// of /proc/self/mountinfo (proc(5)): the fifth field, octal-escaped, and
+// the first field after the " - " separator.
+func parseMountInfo(line string) (point, fstype string, ok bool) {
+	before, after, found := strings.Cut(line, " - ")
+	if !found {
+		return "", "", false
+	}
+	f := strings.Fields(before)
+	g := strings.Fields(after)
+	if len(f) < 5 || len(g) < 1 {
+		return "", "", false
+	}
+	return unescapeOctal(f[4]), g[0], true
+}
+
+// unescapeOctal undoes the kernel's \NNN escapes of spaces, tabs,
+// newlines and backslashes in mount table fields.
+func unescapeOctal(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+4 <= len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }

@@ -74,6 +74,11 @@ Logs are structured (JSON) on stderr.`,
 			resolve := func(ctx context.Context, ref string) (puller.Source, error) {
 				return pf.source(ctx, ref)
 			}
+			if n, err := puller.CleanStaleMounts(mountsDir); err != nil {
+				log.Warn("stale mounts of a previous puller", "dir", mountsDir, "detached", n, "err", err)
+			} else if n > 0 {
+				log.Info("detached stale mounts of a previous puller", "dir", mountsDir, "count", n)
+			}
 			d := daemon.New(p, resolve, mountsDir, log, reg, reg)
 			defer d.Close()
 			if err := os.MkdirAll(filepath.Dir(socket), 0o755); err != nil {

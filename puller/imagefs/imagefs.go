@@ -214,6 +214,10 @@ func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64,
 	return nil
 }
 
+// FSType is the FUSE subtype of image filesystems: the mount table lists
+// them as type "fuse.cryo".
+const FSType = "cryo"
+
 // MountOptions are the FUSE options an image filesystem is mounted with:
 // large reads (1 MiB), many requests in flight, long attribute timeouts
 // (nothing ever changes), read-only.
@@ -224,7 +228,7 @@ func MountOptions(name string) *fs.Options {
 		AttrTimeout:  &timeout,
 		MountOptions: fuse.MountOptions{
 			FsName:        name,
-			Name:          "cryo",
+			Name:          FSType,
 			MaxWrite:      1 << 20,
 			MaxReadAhead:  1 << 20,
 			MaxBackground: 128,
