@@ -7,9 +7,14 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/transfer"
 )
 
 // replica starts an in-process registry on root that re-reads the
@@ -165,4 +170,41 @@ func TestReadOnlyLeaseIsRenewedAndOnlyItsHolderReleasesIt(t *testing.T) {
 	if err != nil || m == nil || m.Holder != other.Holder {
 		t.Fatalf("after the old holder's release the marker is %+v (%v); want the new holder's", m, err)
 	}
+}
+
+// TestPushWaitsOutReadOnlyMode checks that cryo's client retries the 503
+// a registry in read-only mode answers, and completes the push once the
+// mode ends, rather than failing.
+func TestPushWaitsOutReadOnlyMode(t *testing.T) {
+	root := t.TempDir()
+	srv, hs := replica(t, root, 20*time.Millisecond)
+	ctx := context.Background()
+	l, err := srv.EnterReadOnly(ctx, "garbage collection", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img := testenv.ImageDir(t, synth.HalfZero, 4<<20, 1)
+	repo, tag, err := transfer.Repository(strings.TrimPrefix(hs.URL, "http://")+"/app:v1", transfer.ClientOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan time.Time, 1)
+	go func() {
+		time.Sleep(1500 * time.Millisecond)
+		l.Release(ctx)
+		released <- time.Now()
+	}()
+	if _, err := transfer.Push(ctx, img, repo, tag, transfer.PushOptions{}); err != nil {
+		t.Fatalf("push across read-only mode: %v", err)
+	}
+	select {
+	case <-released:
+	default:
+		t.Fatal("the push finished while the registry was read-only")
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := transfer.Pull(ctx, repo, tag, out, transfer.PullOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.SameImage(t, img, out)
 }

@@ -22,7 +22,6 @@ import (
 	"oras.land/oras-go/v2/registry/remote/auth"
 	"oras.land/oras-go/v2/registry/remote/credentials"
 	"oras.land/oras-go/v2/registry/remote/errcode"
-	"oras.land/oras-go/v2/registry/remote/retry"
 )
 
 // DefaultTag is the tag used when a reference names none.
@@ -114,7 +113,7 @@ func newClient(opts ClientOptions) (*auth.Client, error) {
 		tr.TLSClientConfig = cfg
 	}
 	c := &auth.Client{
-		Client: &http.Client{Transport: retry.NewTransport(tr)},
+		Client: &http.Client{Transport: newRetryTransport(tr)},
 		Cache:  auth.NewCache(),
 		Header: http.Header{"User-Agent": {"cryo"}},
 	}

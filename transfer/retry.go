@@ -1,0 +1,47 @@
+package transfer
+
+import (
+	"net/http"
+	"strconv"
+	"time"
+
+	"oras.land/oras-go/v2/registry/remote/retry"
+)
+
+// MaxReadOnlyWait is how long a request keeps retrying while the registry
+// answers 503 with Retry-After: a registry in read-only mode for garbage
+// collection (SPEC.md 12.4) answers so for as long as the sweep takes.
+const MaxReadOnlyWait = 5 * time.Minute
+
+// readOnlyPolicy retries a 503 that carries Retry-After, every
+// min(Retry-After, 5s), for up to MaxReadOnlyWait in all; other answers and
+// errors are retried as oras-go's DefaultPolicy does (a few times, over a
+// few seconds). One policy serves one request.
+type readOnlyPolicy struct {
+	waited   time.Duration
+	attempts int // of the default policy
+}
+
+func newRetryTransport(base http.RoundTripper) *retry.Transport {
+	return &retry.Transport{Base: base, Policy: func() retry.Policy { return &readOnlyPolicy{} }}
+}
+
+// Retry implements retry.Policy.
+func (p *readOnlyPolicy) Retry(_ int, resp *http.Response, err error) (time.Duration, error) {
+	if err == nil && resp != nil && resp.StatusCode == http.StatusServiceUnavailable {
+		if v := resp.Header.Get("Retry-After"); v != "" {
+			if p.waited >= MaxReadOnlyWait {
+				return -1, nil
+			}
+			d := 5 * time.Second
+			if s, err := strconv.Atoi(v); err == nil && s >= 0 && time.Duration(s)*time.Second < d {
+				d = max(time.Duration(s)*time.Second, 200*time.Millisecond)
+			}
+			p.waited += d
+			return d, nil
+		}
+	}
+	d, rerr := retry.DefaultPolicy.Retry(p.attempts, resp, err)
+	p.attempts++
+	return d, rerr
+}
