@@ -13,8 +13,10 @@ import (
 // collection (SPEC.md 12.4) answers so for as long as the sweep takes.
 const MaxReadOnlyWait = 5 * time.Minute
 
-// readOnlyPolicy retries a 503 that carries Retry-After, every
-// min(Retry-After, 5s), for up to MaxReadOnlyWait in all; other answers and
+// readOnlyPolicy retries a write answered 503 with Retry-After, every
+// min(Retry-After, 5s), for up to MaxReadOnlyWait in all (reads are never
+// refused in read-only mode: a puller must fail over to its next endpoint
+// at once, not wait); other answers and
 // errors are retried as oras-go's DefaultPolicy does (a few times, over a
 // few seconds). One policy serves one request.
 type readOnlyPolicy struct {
@@ -28,7 +30,8 @@ func newRetryTransport(base http.RoundTripper) *retry.Transport {
 
 // Retry implements retry.Policy.
 func (p *readOnlyPolicy) Retry(_ int, resp *http.Response, err error) (time.Duration, error) {
-	if err == nil && resp != nil && resp.StatusCode == http.StatusServiceUnavailable {
+	if err == nil && resp != nil && resp.StatusCode == http.StatusServiceUnavailable && resp.Request != nil &&
+		resp.Request.Method != http.MethodGet && resp.Request.Method != http.MethodHead {
 		if v := resp.Header.Get("Retry-After"); v != "" {
 			if p.waited >= MaxReadOnlyWait {
 				return -1, nil
