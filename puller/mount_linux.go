@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/cryo-oci/cryo/puller/imagefs"
 	"golang.org/x/sys/unix"
@@ -36,8 +37,9 @@ func unmount(dir string) error {
 // left under dir and removes their mount points. A puller that is killed
 // (OOM, SIGKILL, a node agent restart) cannot unmount its FUSE mounts; they
 // stay behind as dead mount points ("transport endpoint is not connected")
-// that nothing can use. Bind mounts of materialized dirs stay: they work
-// without the puller. It returns how many mounts it detached.
+// that nothing can use. Only such dead mounts are detached: live ones (of
+// another puller sharing the dir) and bind mounts of materialized dirs,
+// which work without a puller, stay. It returns how many it detached.
 func CleanStaleMounts(dir string) (int, error) {
 	data, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
@@ -48,7 +50,7 @@ func CleanStaleMounts(dir string) (int, error) {
 	var errs []error
 	for _, line := range strings.Split(string(data), "\n") {
 		point, fstype, ok := parseMountInfo(line)
-		if !ok || fstype != "fuse."+imagefs.FSType || !strings.HasPrefix(point, prefix) {
+		if !ok || fstype != "fuse."+imagefs.FSType || !strings.HasPrefix(point, prefix) || !deadMount(point) {
 			continue
 		}
 		if err := unix.Unmount(point, unix.MNT_DETACH); err != nil && err != unix.EINVAL {
@@ -59,6 +61,23 @@ func CleanStaleMounts(dir string) (int, error) {
 		n++
 	}
 	return n, errors.Join(errs...)
+}
+
+// deadMount reports whether the FUSE mount at point has lost its server:
+// stat answers ENOTCONN at once. A live mount (another puller's, sharing
+// the dir) answers, or takes longer than a second, and is left alone.
+func deadMount(point string) bool {
+	res := make(chan error, 1)
+	go func() {
+		var st unix.Stat_t
+		res <- unix.Stat(point, &st)
+	}()
+	select {
+	case err := <-res:
+		return err == unix.ENOTCONN
+	case <-time.After(time.Second):
+		return false
+	}
 }
 
 // parseMountInfo returns the mount point and filesystem type of one line

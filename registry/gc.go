@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/distribution/distribution/v3/registry/storage"
+	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 )
 
 // GCOptions tune GC.
@@ -49,6 +50,8 @@ type GCResult struct {
 // meanwhile: stop the registries, or set opts.ReadOnlyWait.
 func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err error) {
 	work := ctx
+	holder := "gc-" + newToken()
+	leaseHeld := func() bool { return true } // no lease: the registries are stopped
 	if opts.ReadOnlyWait > 0 && !opts.DryRun {
 		if opts.ReadOnlyLease <= 0 {
 			opts.ReadOnlyLease = DefaultReadOnlyLease
@@ -57,16 +60,19 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 		if err != nil {
 			return nil, err
 		}
+		holder = lease.Marker().Holder
 		var cancel context.CancelCauseFunc
 		work, cancel = context.WithCancelCause(ctx)
 		stop := lease.Keep(ctx, cancel)
+		leaseHeld = func() bool { return work.Err() == nil }
 		defer func() {
 			stop()
 			cancel(nil)
-			// Only after the cache flush below: leaving read-only mode
-			// with stale cache entries would let a replica accept a
-			// manifest whose blobs are gone.
-			if rerr := lease.Release(context.WithoutCancel(ctx)); rerr != nil && err == nil {
+			// After the cache flush below (and a flush still owed keeps
+			// the registries refusing writes anyway).
+			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+			defer rcancel()
+			if rerr := lease.Release(rctx); rerr != nil && err == nil {
 				err = rerr
 			}
 		}()
@@ -87,15 +93,24 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 		return res, nil
 	}
 	flush := s.usesRedisCache() && !opts.DryRun
+	var ownFlag string
 	if flush {
-		if err := s.oweCacheFlush(work); err != nil {
+		if ownFlag, err = s.oweCacheFlush(work, holder); err != nil {
 			return nil, err
 		}
 	}
-	sweepErr := storage.MarkAndSweep(work, s.driver, s.ns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun})
+	// The sweep's deletes stop as soon as the lease is lost: the driver
+	// checks work before each one (distribution's sweep does not look at
+	// its context, and the filesystem driver ignores it).
+	sd := stoppableDriver{StorageDriver: s.driver, stop: work}
+	sns, err := storage.NewRegistry(work, sd, storage.EnableDelete)
+	if err != nil {
+		return nil, fmt.Errorf("open storage for gc: %w", err)
+	}
+	sweepErr := storage.MarkAndSweep(work, sd, sns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun})
 	if flush {
 		// Also after a failed sweep: it may have deleted some blobs.
-		n, ferr := s.flushOwedCache(context.WithoutCancel(ctx))
+		n, ferr := s.settleCache(context.WithoutCancel(ctx), ownFlag, leaseHeld)
 		res.CacheEntriesCleared = n
 		if ferr != nil {
 			return nil, fmt.Errorf("%w (the registries flush it themselves, refusing pushes until they can)", errors.Join(sweepErr, ferr))
@@ -139,4 +154,60 @@ func (s *Server) acquireReadOnly(ctx context.Context, reason string, lease time.
 			return nil, ctx.Err()
 		}
 	}
+}
+
+// settleCache flushes the blob descriptor cache after a sweep, twice: the
+// second flush, a moment later, catches entries written by reads that
+// looked a blob up just before the sweep deleted it. Then it clears its own
+// flag and, while it holds read-only mode (so no other sweep runs), the
+// flags of maintainers that died owing a flush.
+func (s *Server) settleCache(ctx context.Context, own string, leaseHeld func() bool) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 2*owedFlushTimeout)
+	defer cancel()
+	prior, err := s.owedFlushes(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n, err := s.flushBlobDescriptorCache(ctx)
+	if err != nil {
+		return n, err
+	}
+	select {
+	case <-time.After(2 * time.Second):
+	case <-ctx.Done():
+		return n, ctx.Err()
+	}
+	settle := []string{own}
+	if leaseHeld() {
+		settle = prior
+	}
+	m, err := s.flushAndSettle(ctx, settle)
+	return n + m, err
+}
+
+// stoppableDriver refuses deletes and writes once stop is done.
+type stoppableDriver struct {
+	storagedriver.StorageDriver
+	stop context.Context
+}
+
+func (d stoppableDriver) Delete(ctx context.Context, path string) error {
+	if err := context.Cause(d.stop); err != nil {
+		return err
+	}
+	return d.StorageDriver.Delete(ctx, path)
+}
+
+func (d stoppableDriver) PutContent(ctx context.Context, path string, content []byte) error {
+	if err := context.Cause(d.stop); err != nil {
+		return err
+	}
+	return d.StorageDriver.PutContent(ctx, path, content)
+}
+
+func (d stoppableDriver) Move(ctx context.Context, src, dst string) error {
+	if err := context.Cause(d.stop); err != nil {
+		return err
+	}
+	return d.StorageDriver.Move(ctx, src, dst)
 }

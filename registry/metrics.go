@@ -40,9 +40,9 @@ func newMetrics(s *Server) *metrics {
 	}
 	readOnly := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "cryo_registry_read_only",
-		Help: "1 while the registry refuses writes for maintenance (a read-only marker in storage), else 0.",
+		Help: "1 while the registry refuses writes for maintenance (a read-only marker in storage, or a cache flush a garbage collection owes), else 0.",
 	}, func() float64 {
-		if s.readOnly.Load().Active(time.Now()) {
+		if s.refusingWrites() {
 			return 1
 		}
 		return 0

@@ -2,6 +2,7 @@ package registry
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"time"
 
@@ -38,7 +39,15 @@ func (s *Server) fillMirror(r *http.Request, repo, ref string) {
 			return
 		}
 	}
-	ch := s.mirrorFills.DoChan(repo+"@"+ref, func() (any, error) {
+	ch := s.mirrorFills.DoChan(repo+"@"+ref, func() (_ any, err error) {
+		// singleflight re-panics in a goroutine of its own, which would
+		// end the process: a fill that panics fails only its requests.
+		defer func() {
+			if r := recover(); r != nil {
+				err = fmt.Errorf("mirror fill of %s@%s: %v", repo, ref, r)
+				s.log.Error("mirror fill panicked", "repository", repo, "digest", ref, "panic", r)
+			}
+		}()
 		// The fetch outlives the request that started it (others wait on
 		// it), but not a stalled upstream.
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), mirrorFillTimeout)

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -101,11 +102,9 @@ func (s *Server) EnterReadOnly(ctx context.Context, reason string, lease time.Du
 	if old.Active(now) {
 		return nil, heldError(old)
 	}
-	token := make([]byte, 6)
-	rand.Read(token)
 	host, _ := os.Hostname()
 	l := &ReadOnlyLease{s: s, lease: lease, marker: ReadOnlyMarker{
-		Holder: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), hex.EncodeToString(token)),
+		Holder: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), newToken()),
 		Reason: reason, Since: now, Expires: now.Add(lease),
 	}}
 	if err := l.write(ctx); err != nil {
@@ -122,6 +121,13 @@ func (s *Server) EnterReadOnly(ctx context.Context, reason string, lease time.Du
 	}
 	s.readOnly.Store(&l.marker)
 	return l, nil
+}
+
+// newToken returns 12 random hex digits.
+func newToken() string {
+	b := make([]byte, 6)
+	rand.Read(b)
+	return hex.EncodeToString(b)
 }
 
 func heldError(m *ReadOnlyMarker) error {
@@ -167,8 +173,10 @@ func (l *ReadOnlyLease) Renew(ctx context.Context) error {
 // Keep renews the lease every quarter of its length until the returned stop
 // function is called. If a renewal fails it calls lost with the error: the
 // caller must stop the work the mode protects before the lease runs out.
+// stop lets a renewal under way finish (a cancelled write could still land
+// after Release and bring the marker back).
 func (l *ReadOnlyLease) Keep(ctx context.Context, lost func(error)) (stop func()) {
-	ctx, cancel := context.WithCancel(ctx)
+	quit := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -176,20 +184,23 @@ func (l *ReadOnlyLease) Keep(ctx context.Context, lost func(error)) (stop func()
 		defer t.Stop()
 		for {
 			select {
+			case <-quit:
+				return
 			case <-ctx.Done():
 				return
 			case <-t.C:
 			}
-			rctx, rcancel := context.WithTimeout(ctx, l.lease/4)
+			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), l.lease/4)
 			err := l.Renew(rctx)
 			rcancel()
-			if err != nil && ctx.Err() == nil {
+			if err != nil {
 				lost(fmt.Errorf("renew read-only lease: %w", err))
 				return
 			}
 		}
 	}()
-	return func() { cancel(); <-done }
+	var once sync.Once
+	return func() { once.Do(func() { close(quit) }); <-done }
 }
 
 // Release removes the marker if this lease still holds it.
@@ -233,8 +244,8 @@ func (s *Server) watchReadOnly(ctx context.Context, poll time.Duration) {
 	}
 }
 
-// refreshReadOnly re-reads the marker and finishes a cache flush a
-// maintainer left undone (rediscache.go). A failed marker read keeps the
+// refreshReadOnly re-reads the marker and the owed cache flushes
+// (rediscache.go). A failed marker read keeps the
 // last state: a store that cannot be read refuses writes anyway.
 func (s *Server) refreshReadOnly(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -246,16 +257,23 @@ func (s *Server) refreshReadOnly(ctx context.Context) {
 		}
 		return
 	}
-	if prev := s.readOnly.Swap(m); prev.Active(time.Now()) != m.Active(time.Now()) {
-		if m.Active(time.Now()) {
+	active := m.Active(time.Now())
+	// Owed cache flushes first: writes stay refused from the moment the
+	// marker is dropped if a flush is owed.
+	s.checkOwedFlushes(rctx, active)
+	if prev := s.readOnly.Swap(m); prev.Active(time.Now()) != active {
+		if active {
 			s.log.Info("entering read-only mode", "holder", m.Holder, "reason", m.Reason, "expires", m.Expires)
 		} else {
 			s.log.Info("leaving read-only mode")
 		}
 	}
-	if !m.Active(time.Now()) {
-		s.finishCacheFlush(rctx)
-	}
+}
+
+// refusingWrites reports whether writes are refused now: a marker in
+// force, or a cache flush owed.
+func (s *Server) refusingWrites() bool {
+	return s.readOnly.Load().Active(time.Now()) || s.flushPending.Load()
 }
 
 // refuseWritesWhileReadOnly answers writes with 503 while a marker is in

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -21,14 +23,20 @@ import (
 // that manifest fails. So GC flushes distribution's blob descriptor keys
 // from redis after every sweep (a cache: replicas refill it as they go).
 //
-// Crash safety: before sweeping, GC writes a flag into the shared storage
-// and deletes it only after a successful flush. A replica that finds the
-// flag with no maintainer holding read-only mode (the maintainer died, or
-// could not reach redis) flushes the cache itself, and refuses writes until
-// the flush has succeeded.
+// Crash safety: before sweeping, GC writes a flag of its own into the shared
+// storage, and deletes it only after a successful flush. Every replica
+// refuses writes while any flag exists (it looks on every poll, whatever
+// the read-only marker says), and a replica that finds flags while no
+// maintainer holds read-only mode (the maintainer died, or could not reach
+// redis) flushes the cache itself, then deletes the flags it saw before
+// flushing.
 
-// cacheFlushPath flags a blob descriptor cache flush that is still owed.
-const cacheFlushPath = "/cryo/v1/maintenance/flush-blob-descriptor-cache"
+// cacheFlushDir holds one flag per owed blob descriptor cache flush, named
+// after the maintainer that owes it.
+const cacheFlushDir = "/cryo/v1/maintenance/flush-blob-descriptor-cache"
+
+// owedFlushTimeout bounds one flush of the cache (SCAN walks every key).
+const owedFlushTimeout = 10 * time.Minute
 
 // Key patterns of distribution v3's redis blob descriptor cache
 // (registry/storage/cache/redis): global descriptors, and per repository a
@@ -128,48 +136,86 @@ func (s *Server) flushBlobDescriptorCache(ctx context.Context) (int, error) {
 	return int(deleted.Load()), nil
 }
 
-// oweCacheFlush records, before a sweep, that the cache must be flushed.
-func (s *Server) oweCacheFlush(ctx context.Context) error {
-	if err := s.driver.PutContent(ctx, cacheFlushPath, []byte(time.Now().UTC().Format(time.RFC3339)+"\n")); err != nil {
-		return fmt.Errorf("record owed cache flush: %w", err)
+// oweCacheFlush records, before a sweep, that the cache must be flushed;
+// the flag is named after holder.
+func (s *Server) oweCacheFlush(ctx context.Context, holder string) (string, error) {
+	flag := path.Join(cacheFlushDir, flagName(holder))
+	if err := s.driver.PutContent(ctx, flag, []byte(time.Now().UTC().Format(time.RFC3339)+" "+holder+"\n")); err != nil {
+		return "", fmt.Errorf("record owed cache flush: %w", err)
 	}
-	return nil
+	return flag, nil
 }
 
-// flushOwedCache flushes the cache and, if that worked, removes the flag.
-func (s *Server) flushOwedCache(ctx context.Context) (int, error) {
+// flagName makes a storage-safe file name of a holder string.
+func flagName(holder string) string {
+	return strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '.' {
+			return r
+		}
+		return '_'
+	}, holder)
+}
+
+// owedFlushes lists the flags of owed flushes.
+func (s *Server) owedFlushes(ctx context.Context) ([]string, error) {
+	flags, err := s.driver.List(ctx, cacheFlushDir)
+	var nf storagedriver.PathNotFoundError
+	if errors.As(err, &nf) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list owed cache flushes: %w", err)
+	}
+	return flags, nil
+}
+
+// flushAndSettle flushes the cache and then deletes the given flags (owed
+// flushes whose sweeps are over: this flush settles them).
+func (s *Server) flushAndSettle(ctx context.Context, flags []string) (int, error) {
 	n, err := s.flushBlobDescriptorCache(ctx)
 	if err != nil {
 		return n, err
 	}
-	if err := s.driver.Delete(ctx, cacheFlushPath); err != nil {
-		var nf storagedriver.PathNotFoundError
-		if !errors.As(err, &nf) {
-			return n, fmt.Errorf("clear owed cache flush: %w", err)
+	var errs []error
+	for _, f := range flags {
+		if err := s.driver.Delete(ctx, f); err != nil {
+			var nf storagedriver.PathNotFoundError
+			if !errors.As(err, &nf) {
+				errs = append(errs, fmt.Errorf("clear owed cache flush %s: %w", f, err))
+			}
 		}
 	}
-	return n, nil
+	return n, errors.Join(errs...)
 }
 
-// finishCacheFlush is a serving replica's part: if a flush is owed and no
-// maintainer holds read-only mode, flush; refuse writes until it worked.
-func (s *Server) finishCacheFlush(ctx context.Context) {
+// checkOwedFlushes is a serving replica's part, on every poll: writes are
+// refused while any flush is owed (or the flags cannot be read), and, when
+// no maintainer holds read-only mode, the replica settles the owed flushes
+// itself, in the background.
+func (s *Server) checkOwedFlushes(ctx context.Context, maintainerActive bool) {
 	if !s.usesRedisCache() {
 		return
 	}
-	if _, err := s.driver.Stat(ctx, cacheFlushPath); err != nil {
-		var nf storagedriver.PathNotFoundError
-		if errors.As(err, &nf) {
-			s.flushPending.Store(false)
-		}
-		return
-	}
-	s.flushPending.Store(true)
-	n, err := s.flushOwedCache(ctx)
+	flags, err := s.owedFlushes(ctx)
 	if err != nil {
-		s.log.Error("owed blob descriptor cache flush failed; refusing writes until it succeeds", "err", err)
+		s.flushPending.Store(true)
+		s.log.Warn("cannot read owed cache flushes; refusing writes", "err", err)
 		return
 	}
-	s.log.Info("flushed the blob descriptor cache a garbage collection left owed", "keys", n)
-	s.flushPending.Store(false)
+	s.flushPending.Store(len(flags) > 0)
+	if len(flags) == 0 || maintainerActive || !s.flushing.CompareAndSwap(false, true) {
+		return
+	}
+	go func() {
+		defer s.flushing.Store(false)
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), owedFlushTimeout)
+		defer cancel()
+		n, err := s.flushAndSettle(fctx, flags)
+		if err != nil {
+			s.log.Error("owed blob descriptor cache flush failed; refusing writes until it succeeds", "err", err)
+			return
+		}
+		s.log.Info("flushed the blob descriptor cache a garbage collection left owed", "keys", n, "flags", len(flags))
+		s.checkOwedFlushes(fctx, true)
+	}()
 }

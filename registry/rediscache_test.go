@@ -11,12 +11,13 @@ import (
 )
 
 // TestOwedCacheFlush checks a replica's part of the cache flush a garbage
-// collection owes: it flushes distribution's blob descriptor keys (and no
-// other key), and refuses writes while it cannot.
+// collection owes: writes are refused while a flush is owed; with no
+// maintainer holding read-only mode the replica flushes distribution's blob
+// descriptor keys (and no other key) itself, in the background, and then
+// accepts writes; it keeps refusing them while redis is unreachable.
 func TestOwedCacheFlush(t *testing.T) {
 	addr := testenv.StartRedis(t)
-	root := t.TempDir()
-	cfg, err := DefaultConfig(root, "127.0.0.1:0")
+	cfg, err := DefaultConfig(t.TempDir(), "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -31,44 +32,94 @@ func TestOwedCacheFlush(t *testing.T) {
 	ctx := context.Background()
 	rc := redis.NewClient(&redis.Options{Addr: addr})
 	defer rc.Close()
-	for _, k := range []string{"blobs::sha256:aa", "repository::app::blobs", "repository::app::blobs::sha256:aa", "someone-else"} {
-		if err := rc.Set(ctx, k, "x", 0).Err(); err != nil {
-			t.Fatal(err)
+	seed := func() {
+		for _, k := range []string{"blobs::sha256:aa", "repository::app::blobs", "repository::app::blobs::sha256:aa", "someone-else"} {
+			if err := rc.Set(ctx, k, "x", 0).Err(); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
-	if err := srv.oweCacheFlush(ctx); err != nil {
+	uploadCode := func() int {
+		rec := &statusRecorder{header: http.Header{}}
+		req, _ := http.NewRequest(http.MethodPost, "/v2/app/blobs/uploads/", nil)
+		srv.Handler().ServeHTTP(rec, req)
+		return rec.code
+	}
+	// settled polls the replica until no flush is owed.
+	settled := func() bool {
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			srv.refreshReadOnly(ctx)
+			if !srv.flushPending.Load() {
+				return true
+			}
+		}
+		return false
+	}
+
+	// A maintainer in read-only mode owes a flush: the replica waits for it.
+	seed()
+	lease, err := srv.EnterReadOnly(ctx, "garbage collection", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	flag, err := srv.oweCacheFlush(ctx, lease.Marker().Holder)
+	if err != nil {
 		t.Fatal(err)
 	}
 	srv.refreshReadOnly(ctx)
-	if srv.flushPending.Load() {
-		t.Fatal("flush still pending with redis up")
+	time.Sleep(200 * time.Millisecond)
+	if !srv.flushPending.Load() {
+		t.Fatal("no flush pending while the maintainer owes one")
+	}
+	if n, _ := rc.Exists(ctx, "blobs::sha256:aa").Result(); n != 1 {
+		t.Fatal("the replica flushed while the maintainer held read-only mode")
+	}
+	// The maintainer dies: its marker goes, its flag stays.
+	if err := srv.LeaveReadOnly(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if code := uploadCode(); code != http.StatusServiceUnavailable {
+		t.Fatalf("upload with a flush owed: %d, want 503", code)
+	}
+	if !settled() {
+		t.Fatal("the replica did not settle the owed flush")
 	}
 	keys, _ := rc.Keys(ctx, "*").Result()
 	if len(keys) != 1 || keys[0] != "someone-else" {
 		t.Fatalf("keys after the flush: %v; want only someone-else", keys)
 	}
-	if _, err := srv.driver.Stat(ctx, cacheFlushPath); err == nil {
+	if _, err := srv.driver.Stat(ctx, flag); err == nil {
 		t.Fatal("the owed-flush flag survived a successful flush")
+	}
+	if code := uploadCode(); code != http.StatusAccepted {
+		t.Fatalf("upload after the flush: %d, want 202", code)
+	}
+
+	// idle waits for a background flush to end (before the test changes
+	// the configuration it reads).
+	idle := func() {
+		for deadline := time.Now().Add(10 * time.Second); srv.flushing.Load(); time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("background flush did not end")
+			}
+		}
 	}
 
 	// With redis unreachable the replica refuses writes until it can flush.
-	if err := srv.oweCacheFlush(ctx); err != nil {
+	idle()
+	if _, err := srv.oweCacheFlush(ctx, "gc-dead"); err != nil {
 		t.Fatal(err)
 	}
 	srv.cfg.Redis.Options.Addrs = []string{testenv.FreeAddr(t)}
 	srv.refreshReadOnly(ctx)
-	if !srv.flushPending.Load() {
-		t.Fatal("no flush pending with redis unreachable")
-	}
-	rec := &statusRecorder{header: http.Header{}}
-	req, _ := http.NewRequest(http.MethodPost, "/v2/app/blobs/uploads/", nil)
-	srv.Handler().ServeHTTP(rec, req)
-	if rec.code != http.StatusServiceUnavailable {
-		t.Fatalf("upload while a flush is owed: %d", rec.code)
+	idle() // the background flush failed
+	srv.refreshReadOnly(ctx)
+	idle()
+	if !srv.flushPending.Load() || uploadCode() != http.StatusServiceUnavailable {
+		t.Fatal("writes accepted while the owed flush cannot be done")
 	}
 	srv.cfg.Redis.Options.Addrs = []string{addr}
-	srv.refreshReadOnly(ctx)
-	if srv.flushPending.Load() {
+	if !settled() {
 		t.Fatal("flush still pending once redis is back")
 	}
 }

@@ -67,7 +67,9 @@ type Server struct {
 	// flushPending is set while a blob descriptor cache flush a garbage
 	// collection owes has not succeeded (rediscache.go).
 	flushPending atomic.Bool
-	stop         context.CancelFunc
+	// flushing is set while this replica settles owed flushes.
+	flushing atomic.Bool
+	stop     context.CancelFunc
 	// mirrorFills joins concurrent first requests for a blob in mirror
 	// mode (fillMirror).
 	mirrorFills singleflight.Group
