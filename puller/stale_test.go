@@ -1,15 +1,11 @@
 package puller
 
 import (
-	"bufio"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
@@ -50,34 +46,7 @@ func TestCleanStaleMounts(t *testing.T) {
 	defer unix.Unmount(keep, unix.MNT_DETACH)
 
 	dir := filepath.Join(mounts, "stale")
-	cmd := exec.Command(cryo, "mount", reg.Addr+"/app:v1", dir, "--cache", t.TempDir())
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	ready := make(chan bool, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			if strings.HasPrefix(sc.Text(), "ready") {
-				ready <- true
-				return
-			}
-		}
-		ready <- false
-	}()
-	select {
-	case ok := <-ready:
-		if !ok {
-			t.Fatal("cryo mount ended before ready")
-		}
-	case <-time.After(time.Minute):
-		cmd.Process.Kill()
-		t.Fatal("cryo mount: no ready after a minute")
-	}
+	cmd, _ := testenv.Mount(t, cryo, reg.Addr+"/app:v1", dir, "--cache", t.TempDir())
 	cmd.Process.Signal(syscall.SIGKILL)
 	cmd.Wait()
 	if _, err := os.Stat(filepath.Join(dir, "pages.img")); !errors.Is(err, syscall.ENOTCONN) {

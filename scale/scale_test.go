@@ -2,9 +2,7 @@ package scale
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
-	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -12,7 +10,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -183,60 +180,11 @@ func poll(method, url string, want int, limit time.Duration) (int, string) {
 	}
 }
 
-// mount runs `cryo mount REF DIR` in the background, waits for "ready",
-// and returns the dir and a stop function.
+// mount runs `cryo mount REF DIR` with a fresh node cache in the
+// background, waits for "ready", and returns the dir and a stop function.
 func mount(t *testing.T, cryo, ref string, extra ...string) (string, func()) {
 	t.Helper()
-	if _, err := os.Stat("/dev/fuse"); err != nil || os.Geteuid() != 0 {
-		testenv.SkipOrFatal(t, "cryo mount needs root and /dev/fuse")
-	}
 	dir := filepath.Join(t.TempDir(), "mnt")
-	args := append([]string{"mount", ref, dir, "--cache", filepath.Join(t.TempDir(), "cache")}, extra...)
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, cryo, args...)
-	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
-	cmd.WaitDelay = 20 * time.Second
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	ready := make(chan error, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if strings.HasPrefix(sc.Text(), "ready") {
-				ready <- nil
-				io.Copy(io.Discard, stdout)
-				return
-			}
-		}
-		ready <- fmt.Errorf("cryo mount ended before ready")
-	}()
-	select {
-	case err := <-ready:
-		if err != nil {
-			cmd.Wait()
-			t.Fatalf("%v:\n%s", err, stderr.String())
-		}
-	case <-time.After(2 * time.Minute):
-		cancel()
-		cmd.Wait()
-		t.Fatalf("cryo mount %s: no ready after 2m:\n%s", ref, stderr.String())
-	}
-	stopped := false
-	stop := func() {
-		if stopped {
-			return
-		}
-		stopped = true
-		cancel()
-		cmd.Wait()
-	}
-	t.Cleanup(stop)
+	_, stop := testenv.Mount(t, cryo, ref, dir, append([]string{"--cache", filepath.Join(t.TempDir(), "cache")}, extra...)...)
 	return dir, stop
 }

@@ -1,14 +1,18 @@
 package testenv
 
 import (
+	"bufio"
 	"bytes"
+	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -203,4 +207,54 @@ func runWithInput(bin, input string, args ...string) (string, error) {
 	cmd.Stdin = strings.NewReader(input)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
+}
+
+// Mount starts `cryo mount REF DIR extra...` (root and /dev/fuse needed:
+// the test skips, or fails with CI=true, without them), waits until it
+// prints "ready", and returns the process and a stop function that ends it
+// with SIGTERM (unmounting) and waits; the test's cleanup calls stop too.
+func Mount(t testing.TB, cryo, ref, dir string, extra ...string) (*exec.Cmd, func()) {
+	t.Helper()
+	if _, err := os.Stat("/dev/fuse"); err != nil || os.Geteuid() != 0 {
+		SkipOrFatal(t, "cryo mount needs root and /dev/fuse")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, cryo, append([]string{"mount", ref, dir}, extra...)...)
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 20 * time.Second
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	stop := func() { once.Do(func() { cancel(); cmd.Wait() }) }
+	ready := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if strings.HasPrefix(sc.Text(), "ready") {
+				ready <- nil
+				io.Copy(io.Discard, stdout)
+				return
+			}
+		}
+		ready <- fmt.Errorf("cryo mount %s ended before ready", ref)
+	}()
+	select {
+	case err := <-ready:
+		if err != nil {
+			stop()
+			t.Fatalf("%v:\n%s", err, stderr.String())
+		}
+	case <-time.After(2 * time.Minute):
+		stop()
+		t.Fatalf("cryo mount %s: no ready after 2m:\n%s", ref, stderr.String())
+	}
+	t.Cleanup(stop)
+	return cmd, stop
 }
