@@ -448,6 +448,9 @@ func checkPuller(t *testing.T, r *rendered) {
 	if len(r.daemonSets) != 1 {
 		t.Fatalf("want one DaemonSet, got %d", len(r.daemonSets))
 	}
+	if us := r.daemonSets[0].Spec.UpdateStrategy; us.Type == appsv1.OnDeleteDaemonSetStrategyType && us.RollingUpdate != nil {
+		t.Error("updateStrategy OnDelete with rollingUpdate set (the API server refuses it)")
+	}
 	spec := r.daemonSets[0].Spec.Template.Spec
 	c := spec.Containers[0]
 	hostPaths := map[string]string{}
