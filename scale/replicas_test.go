@@ -3,7 +3,6 @@ package scale
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,44 +15,48 @@ import (
 	"github.com/cryo-oci/cryo/internal/testenv"
 )
 
-// s3Config writes a distribution configuration for a replica on the
-// SeaweedFS bucket with the shared redis cache. Credentials come from the
-// environment (REGISTRY_STORAGE_S3_*), as the Helm chart passes them.
-func s3Config(t *testing.T, w *testenv.SeaweedFS, redis string) string {
+// chartConfig renders the cryo-registry Helm chart for replicas on the
+// SeaweedFS bucket with the shared redis cache, and writes the distribution
+// configuration it puts in its ConfigMap: the replicas run exactly what the
+// chart would give them. Secrets reach them through the environment, as the
+// chart's Deployment passes them (REGISTRY_HTTP_SECRET and
+// REGISTRY_STORAGE_S3_* from Secrets).
+func chartConfig(t *testing.T, w *testenv.SeaweedFS, redis string) string {
 	t.Helper()
-	cfg := fmt.Sprintf(`version: 0.1
-log:
-  level: warn
-  accesslog:
-    disabled: true
-storage:
-  s3:
-    bucket: %s
-    region: us-east-1
-    regionendpoint: %s
-    forcepathstyle: true
-    secure: false
-    rootdirectory: /registry
-  cache:
-    blobdescriptor: redis
-  delete:
-    enabled: true
-  redirect:
-    disable: true
-redis:
-  addrs: [%s]
-http:
-  addr: 127.0.0.1:0
-  secret: one-secret-shared-by-every-replica
-validation:
-  manifests:
-    urls:
-      allow: ['^https?://']
-`, w.Bucket, w.S3, redis)
-	path := filepath.Join(t.TempDir(), "registry.yml")
-	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
+	root, err := testenv.RepoRoot()
+	if err != nil {
 		t.Fatal(err)
 	}
+	out := testenv.Run(t, testenv.Tool(t, "helm"), "template", "scale", filepath.Join(root, "charts", "cryo-registry"),
+		"--show-only", "templates/configmap.yaml",
+		"--set", "replicaCount=2", "--set", "storage.type=s3", "--set", "storage.s3.bucket="+w.Bucket,
+		"--set", "storage.s3.regionEndpoint="+w.S3, "--set", "storage.s3.forcePathStyle=true", "--set", "storage.s3.secure=false",
+		"--set", "storage.s3.existingSecret=s3-keys", "--set", "redis.enabled=true", "--set", "redis.addr="+redis,
+		"--set", "logLevel=warn")
+	// The ConfigMap's config.yml block: the lines indented under it.
+	var cfg strings.Builder
+	in := false
+	for _, line := range strings.Split(out, "\n") {
+		if strings.TrimSpace(line) == "config.yml: |" {
+			in = true
+			continue
+		}
+		if in {
+			if rest, ok := strings.CutPrefix(line, "    "); ok {
+				cfg.WriteString(rest + "\n")
+			} else if strings.TrimSpace(line) != "" {
+				break
+			}
+		}
+	}
+	if !strings.Contains(cfg.String(), "regionendpoint: "+w.S3) {
+		t.Fatalf("no S3 configuration in the chart's ConfigMap:\n%s", out)
+	}
+	path := filepath.Join(t.TempDir(), "registry.yml")
+	if err := os.WriteFile(path, []byte(cfg.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("REGISTRY_HTTP_SECRET", "one-secret-shared-by-every-replica")
 	return path
 }
 
@@ -67,7 +70,7 @@ func startReplica(t *testing.T, cryo, cfg string) *testenv.Registry {
 }
 
 // TestReplicasOnSeaweedFS runs two registry replicas on one SeaweedFS
-// bucket and one redis: what one replica is pushed, the other serves, to
+// bucket and one redis, configured by the Helm chart: what one replica is pushed, the other serves, to
 // cryo pull and to the puller's FUSE mount; a replica killed mid-push
 // leaves nothing half visible; gc runs against the shared store while the
 // replicas serve; the store going away turns readiness false with a clear
@@ -80,7 +83,7 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 		k, v, _ := strings.Cut(kv, "=")
 		t.Setenv(k, v)
 	}
-	cfg := s3Config(t, weed, redis)
+	cfg := chartConfig(t, weed, redis)
 	a := startReplica(t, cryo, cfg)
 	b := startReplica(t, cryo, cfg)
 
