@@ -21,22 +21,25 @@ import (
 // mirrorFillTimeout bounds one blob's fetch from the upstream registry.
 const mirrorFillTimeout = 10 * time.Minute
 
-// fillMirror makes sure blob ref of repo is in the mirror's storage before
-// r is served, fetching it once however many requests ask at the same time.
-// Errors are left to the request itself, which distribution then answers.
-func (s *Server) fillMirror(r *http.Request, repo, ref string) {
-	d, err := digest.Parse(ref)
-	if err != nil {
-		return
-	}
-	named, err := reference.WithName(repo)
-	if err != nil {
-		return
-	}
+// fillMirror fetches blob ref of repo into the mirror's storage unless it
+// is there, once however many requests ask at the same time. It reports
+// whether the caller should serve the request now rather than pass it on
+// (the fetch ended; the request was not cancelled); errors are left to the
+// request itself, which distribution then answers.
+func (s *Server) fillMirror(r *http.Request, repo, ref string) bool {
 	ctx := r.Context()
-	if local, err := s.ns.Repository(ctx, named); err == nil {
-		if _, err := local.Blobs(ctx).Stat(ctx, d); err == nil {
-			return
+	// On filesystem storage serveBlobFile has just found the blob missing;
+	// elsewhere look first.
+	if s.driver.Name() != "filesystem" {
+		d, derr := digest.Parse(ref)
+		named, nerr := reference.WithName(repo)
+		if derr != nil || nerr != nil {
+			return false
+		}
+		if local, err := s.ns.Repository(ctx, named); err == nil {
+			if _, err := local.Blobs(ctx).Stat(ctx, d); err == nil {
+				return false
+			}
 		}
 	}
 	ch := s.mirrorFills.DoChan(repo+"@"+ref, func() (_ any, err error) {
@@ -60,6 +63,8 @@ func (s *Server) fillMirror(r *http.Request, repo, ref string) {
 	})
 	select {
 	case <-ch:
+		return true
 	case <-ctx.Done():
+		return false
 	}
 }

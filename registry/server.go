@@ -153,10 +153,12 @@ func (s *Server) routes() http.Handler {
 			return
 		}
 		if m := blobPath.FindStringSubmatch(r.URL.Path); m != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
-			if s.mirrorOf != "" && r.Method == http.MethodGet {
-				s.fillMirror(r, m[1], m[2])
-			}
 			if s.serveBlobFile(w, r, m[1], m[2]) {
+				return
+			}
+			// A mirror's blob not fetched yet: fetch it once, then serve it
+			// like any other.
+			if s.mirrorOf != "" && r.Method == http.MethodGet && s.fillMirror(r, m[1], m[2]) && s.serveBlobFile(w, r, m[1], m[2]) {
 				return
 			}
 		}
