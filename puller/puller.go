@@ -30,6 +30,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/singleflight"
 	"oras.land/oras-go/v2/content"
 )
 
@@ -63,6 +64,9 @@ type Puller struct {
 	opts  Options
 	cache *cache.Store
 	codec *format.Codec
+	// materializing joins mounts of one snapshot writing its plain dir;
+	// fetching, the fetches of one chunk by several mounts.
+	materializing, fetching singleflight.Group
 }
 
 // New opens the node cache and returns a Puller.
@@ -195,7 +199,7 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	}
 	bg, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
-	m.sched = fetch.New(src.Endpoints, p.cache, p.codec, fetch.Options{Workers: p.opts.Workers, Deadline: p.opts.Deadline, Logger: p.opts.Logger, Metrics: p.opts.FetchMetrics, KeepLog: p.opts.KeepFetchLog})
+	m.sched = fetch.New(src.Endpoints, p.cache, p.codec, fetch.Options{Workers: p.opts.Workers, Deadline: p.opts.Deadline, Logger: p.opts.Logger, Metrics: p.opts.FetchMetrics, KeepLog: p.opts.KeepFetchLog, InFlight: &p.fetching})
 	files, lazy, err := m.prepare(ctx)
 	if err != nil {
 		m.close()
@@ -359,15 +363,31 @@ func prefetchOrder(lazy []*imagefs.File, list []Range) []format.Chunk {
 }
 
 // materialize writes the snapshot as a plain image dir from the node cache,
-// verifying every file's sha256, into a temporary dir renamed into place.
+// verifying every file's sha256, into a temporary dir renamed into place;
+// once however many mounts of the snapshot finish loading at the same time.
 func (m *Mount) materialize() error {
+	_, err, _ := m.p.materializing.Do(m.src.Index.Digest.String(), func() (any, error) { return nil, m.writeMaterialized() })
+	return err
+}
+
+func (m *Mount) writeMaterialized() error {
 	final := m.p.MaterializedDir(m.src.Index.Digest)
 	if _, err := os.Stat(final); err == nil {
 		return nil
 	}
-	tmp := final + ".tmp-" + fmt.Sprint(os.Getpid())
-	os.RemoveAll(tmp)
+	// Unique per writer: a dir named after the process would be shared by
+	// two mounts of the snapshot in one daemon.
+	if err := os.MkdirAll(filepath.Dir(final), 0o755); err != nil {
+		return fmt.Errorf("materialize: %w", err)
+	}
+	tmp, err := os.MkdirTemp(filepath.Dir(final), filepath.Base(final)+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("materialize: %w", err)
+	}
 	defer os.RemoveAll(tmp)
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return fmt.Errorf("materialize: %w", err)
+	}
 	for i := range m.snap.Files {
 		f := &m.snap.Files[i]
 		name := filepath.Join(tmp, filepath.FromSlash(f.Path))

@@ -23,6 +23,7 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sync/singleflight"
 	"oras.land/oras-go/v2/content"
 )
 
@@ -50,6 +51,9 @@ type Options struct {
 	Metrics *Metrics
 	// KeepLog records every fetch in order, for tests (Log).
 	KeepLog bool
+	// InFlight, shared by the schedulers of every mount on a node, makes a
+	// chunk that two mounts need at the same moment one fetch. Optional.
+	InFlight *singleflight.Group
 }
 
 // Priority orders fetches.
@@ -317,12 +321,9 @@ func (s *Scheduler) worker() {
 		if cl == nil {
 			return
 		}
-		data, err := s.fetch(cl.chunk, buf)
-		if err == nil {
-			err = s.cache.PutVerified(cl.chunk.Digest, data)
-		}
+		data, err := s.fetchOnce(cl.chunk, buf)
 		s.mu.Lock()
-		if err == nil && cl.prio > Prefetch {
+		if err == nil && data != nil && cl.prio > Prefetch {
 			cl.data = append([]byte(nil), data...)
 		}
 		cl.err = err
@@ -331,8 +332,36 @@ func (s *Scheduler) worker() {
 		s.active[cl.prio]--
 		s.cond.Broadcast() // lower priorities may run now
 		s.mu.Unlock()
-		buf = data
+		if data != nil {
+			buf = data
+		}
 	}
+}
+
+// fetchOnce fetches a chunk into the cache unless another mount's
+// scheduler on the node has (then waiters read it from the cache, and it
+// returns no bytes) or is fetching it (then it waits for that fetch).
+func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte) ([]byte, error) {
+	fetch := func() ([]byte, error) {
+		if s.cache.Has(c.Digest) {
+			return nil, nil
+		}
+		data, err := s.fetch(c, buf)
+		if err == nil {
+			err = s.cache.PutVerified(c.Digest, data)
+		}
+		return data, err
+	}
+	if s.opts.InFlight == nil {
+		return fetch()
+	}
+	v, err, shared := s.opts.InFlight.Do(c.Digest.String(), func() (any, error) { return fetch() })
+	if shared {
+		// The bytes are another worker's buffer: read them from the cache.
+		return nil, err
+	}
+	data, _ := v.([]byte)
+	return data, err
 }
 
 // fetch gets and verifies one chunk, trying every endpoint in order, again
