@@ -98,4 +98,14 @@ http:
 		t.Fatalf("pull over TLS: %v", err)
 	}
 	testenv.SameImage(t, img, out)
+
+	// cryo login honours the same trust options.
+	t.Setenv("DOCKER_CONFIG", t.TempDir())
+	host := ln.Addr().String()
+	if err := transfer.Login(ctx, host, "u", "p", transfer.ClientOptions{PlainHTTP: &plain}); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("login without trusting the certificate: %v", err)
+	}
+	if err := transfer.Login(ctx, host, "u", "p", transfer.ClientOptions{PlainHTTP: &plain, CAFile: cert}); err != nil {
+		t.Fatalf("login trusting the certificate: %v", err)
+	}
 }

@@ -144,16 +144,22 @@ func isLocal(host string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// Login checks the credentials against the registry at host and stores them
-// in Docker's credential store (or its credential helper).
-func Login(ctx context.Context, host, username, password string, plainHTTP *bool) error {
+// Login checks the credentials against the registry at host, reached as
+// opts says (plain HTTP, CA file, insecure), and stores them in Docker's
+// credential store (or its credential helper). opts' own credentials are
+// not used.
+func Login(ctx context.Context, host, username, password string, opts ClientOptions) error {
 	reg, err := remote.NewRegistry(host)
 	if err != nil {
 		return fmt.Errorf("registry %q: %w", host, err)
 	}
 	reg.PlainHTTP = isLocal(host)
-	if plainHTTP != nil {
-		reg.PlainHTTP = *plainHTTP
+	if opts.PlainHTTP != nil {
+		reg.PlainHTTP = *opts.PlainHTTP
+	}
+	opts.Username, opts.Password = username, password
+	if reg.Client, err = newClient(opts); err != nil {
+		return err
 	}
 	store, err := credentials.NewStoreFromDocker(credentials.StoreOptions{AllowPlaintextPut: true})
 	if err != nil {

@@ -196,11 +196,7 @@ and oras all find them.`,
 			if ro.username == "" || password == "" {
 				return fmt.Errorf("need --username and --password or --password-stdin")
 			}
-			var plain *bool
-			if cmd.Flags().Changed("plain-http") {
-				plain = &ro.plainHTTP
-			}
-			if err := transfer.Login(cmd.Context(), args[0], ro.username, password, plain); err != nil {
+			if err := transfer.Login(cmd.Context(), args[0], ro.username, password, ro.clientOptions()); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "logged in to %s\n", args[0])
