@@ -291,18 +291,26 @@ func TestDemandReadsOvertakeBackground(t *testing.T) {
 func TestRegistryOutageMidLoad(t *testing.T) {
 	needFUSE(t)
 	r := startReg(t)
-	r.set(func(r *reg) { r.delay = 5 * time.Millisecond })
+	r.set(func(r *reg) { r.delay = 100 * time.Millisecond })
 	src, s := push(t, r, "app", synth.Random, 24<<20, 3)
 	m := mount(t, newPuller(t, Options{}), s)
-	time.Sleep(100 * time.Millisecond)
+	time.Sleep(50 * time.Millisecond) // mid-way through the first wave of fetches
 	r.set(func(r *reg) { r.down = true })
+	if pr := m.Progress(); pr.LocalBytes >= pr.TotalBytes {
+		t.Fatal("everything was loaded before the outage began: the test tests nothing")
+	}
 	// A read during the outage blocks, then succeeds once it ends.
-	done := make(chan []byte)
+	done := make(chan []byte, 1)
 	go func() {
 		data, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
 		done <- data
 	}()
 	time.Sleep(700 * time.Millisecond)
+	select {
+	case <-done:
+		t.Fatal("the read of the whole file finished while the registry was down")
+	default:
+	}
 	r.set(func(r *reg) { r.down = false })
 	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
 	select {
@@ -316,7 +324,7 @@ func TestRegistryOutageMidLoad(t *testing.T) {
 	waitLoaded(t, m)
 }
 
-func TestCorruptBlobFailsOverToMirror(t *testing.T) {
+func TestCorruptMirrorFailsOverToPrimary(t *testing.T) {
 	needFUSE(t)
 	primary := startReg(t)
 	src, s := push(t, primary, "app", synth.Random, 8<<20, 4)
@@ -325,9 +333,11 @@ func TestCorruptBlobFailsOverToMirror(t *testing.T) {
 	// The mirror (tried first) corrupts every chunk blob it serves.
 	snap, _ := format.LoadSnapshot(context.Background(), s.Endpoints[0].Store, s.Index)
 	pt, _ := format.LoadPart(context.Background(), s.Endpoints[0].Store, snap.File("pages.img"), 0)
-	for _, c := range pt.Table.Chunks {
-		mirror.corrupt[c.Blob.String()] = true
-	}
+	mirror.set(func(r *reg) {
+		for _, c := range pt.Table.Chunks {
+			r.corrupt[c.Blob.String()] = true
+		}
+	})
 	s.Endpoints = []fetch.Endpoint{{Name: "mirror", Store: mirror.repo(t, "app")}, s.Endpoints[0]}
 	m := mount(t, newPuller(t, Options{}), s)
 	got, err := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
@@ -371,6 +381,10 @@ func TestSmallCacheNeverBreaksLiveMount(t *testing.T) {
 	waitLoaded(t, ma)
 	mb := mount(t, p, b)
 	waitLoaded(t, mb)
+	// Both snapshots stay in the cache, far over the cap, while mounted.
+	if st := p.Cache().Stats(); st.Pinned == 0 || st.Bytes < 16<<20 {
+		t.Fatalf("with two live mounts: %+v; want both snapshots' chunks kept", st)
+	}
 	got, _ := os.ReadFile(filepath.Join(ma.Dir(), "pages.img"))
 	want, _ := os.ReadFile(filepath.Join(srcA, "pages.img"))
 	if !bytes.Equal(got, want) {
