@@ -172,17 +172,6 @@ type chunkTable struct {
 	} `json:"chunks"`
 }
 
-// imageDir writes a synthetic image dir of the given kind and pages.img
-// size into a fresh temp dir and returns its path.
-func imageDir(t *testing.T, kind synth.Kind, size int64, seed uint64) string {
-	t.Helper()
-	dir := filepath.Join(t.TempDir(), "img")
-	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
-		t.Fatalf("synth.ImageDir: %v", err)
-	}
-	return dir
-}
-
 // mutatedCopy copies the image dir src to a fresh dir, with pages.img
 // changed as a second checkpoint of the same app would be: a few
 // page-aligned insertions and deletions and rewritten page runs.
@@ -332,7 +321,7 @@ func TestOrasCopiesCryoLayout(t *testing.T) {
 	reg := testenv.StartRegistry(t, "")
 	// halfzero: zero runs give zero chunks, random runs raw chunks, and the
 	// text body of checkpoint.img a zstd chunk.
-	src := imageDir(t, synth.HalfZero, 64<<20, 1)
+	src := testenv.ImageDir(t, synth.HalfZero, 64<<20, 1)
 	layoutDir := filepath.Join(t.TempDir(), "layout")
 
 	var packed struct {
@@ -372,7 +361,7 @@ func TestOrasCopiesCryoLayout(t *testing.T) {
 func TestOrasReadsWhatCryoPushed(t *testing.T) {
 	tl := newTools(t)
 	reg := testenv.StartRegistry(t, "")
-	src := imageDir(t, synth.HalfZero, 8<<20, 2)
+	src := testenv.ImageDir(t, synth.HalfZero, 8<<20, 2)
 	ref := reg.Addr + "/repo:v1"
 	var pushed pushResult
 	tl.cryoJSON(t, &pushed, "push", src, ref)
@@ -495,7 +484,7 @@ func TestOrasCopyBetweenCryoRegistries(t *testing.T) {
 	tl := newTools(t)
 	regA := testenv.StartRegistry(t, "")
 	regB := testenv.StartRegistry(t, "")
-	src := imageDir(t, synth.Text, 16<<20, 3)
+	src := testenv.ImageDir(t, synth.Text, 16<<20, 3)
 	var pushed pushResult
 	tl.cryoJSON(t, &pushed, "push", src, regA.Addr+"/app:v1")
 
@@ -515,7 +504,7 @@ func TestOrasCopyBetweenCryoRegistries(t *testing.T) {
 func TestCryoPullsOrasPushedFiles(t *testing.T) {
 	tl := newTools(t)
 	reg := testenv.StartRegistry(t, "")
-	src := imageDir(t, synth.Random, 8<<20, 4)
+	src := testenv.ImageDir(t, synth.Random, 8<<20, 4)
 	ref := reg.Addr + "/plain:v1"
 	// Run from inside the image dir so that the layer titles are the bare
 	// file names.
@@ -565,7 +554,7 @@ http:
 	reg := testenv.StartCommand(t, addr, regBin, "serve", config)
 
 	const size = 64 << 20
-	src := imageDir(t, synth.Text, size, 5)
+	src := testenv.ImageDir(t, synth.Text, size, 5)
 	var first pushResult
 	tl.cryoJSON(t, &first, "push", src, reg.Addr+"/app:v1")
 	if first.ChunkIndexHits != 0 {
@@ -654,7 +643,7 @@ func TestPullBadInput(t *testing.T) {
 	t.Run("CorruptChunk", func(t *testing.T) {
 		tl := newTools(t)
 		reg := testenv.StartRegistry(t, "")
-		src := imageDir(t, synth.HalfZero, 16<<20, 7)
+		src := testenv.ImageDir(t, synth.HalfZero, 16<<20, 7)
 		ref := reg.Addr + "/app:v1"
 		tl.cryo(t, "push", src, ref)
 
@@ -705,7 +694,7 @@ func TestPullBadInput(t *testing.T) {
 		tl := newTools(t)
 		reg := testenv.StartRegistry(t, "")
 		const size = 256 << 20
-		src := imageDir(t, synth.Random, size, 8)
+		src := testenv.ImageDir(t, synth.Random, size, 8)
 		ref := reg.Addr + "/app:v1"
 		tl.cryo(t, "push", src, ref)
 
@@ -837,7 +826,7 @@ auth:
 	}
 	reg := testenv.StartCommand(t, addr, tl.cryoBin, "registry", "serve", "--config", config, "--metrics-addr", "")
 
-	src := imageDir(t, synth.Text, 4<<20, 9)
+	src := testenv.ImageDir(t, synth.Text, 4<<20, 9)
 	ref := reg.Addr + "/app:v1"
 
 	r := tl.exec("", tl.cryoBin, "push", src, ref)
@@ -872,7 +861,7 @@ auth:
 		t.Fatalf("DOCKER_CONFIG/config.json has no auths entry for %s (%v):\n%s", reg.Addr, err, cfg)
 	}
 
-	src2 := imageDir(t, synth.Text, 4<<20, 10)
+	src2 := testenv.ImageDir(t, synth.Text, 4<<20, 10)
 	tl.cryo(t, "push", src2, reg.Addr+"/app:v2")
 	out := filepath.Join(t.TempDir(), "out")
 	tl.cryo(t, "pull", reg.Addr+"/app:v2", out)

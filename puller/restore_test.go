@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -131,7 +132,8 @@ func (e *restoreEnv) blobBytes(t *testing.T) float64 {
 	return 0 // no blob served yet
 }
 
-// mountsUnder returns the mount points at or under dir.
+// mountsUnder returns the mount points at or under dir, deepest first so
+// that unmounting in order works.
 func mountsUnder(t testing.TB, dir string) []string {
 	t.Helper()
 	data, err := os.ReadFile("/proc/self/mountinfo")
@@ -140,36 +142,13 @@ func mountsUnder(t testing.TB, dir string) []string {
 	}
 	var mps []string
 	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(f[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
+		mp, _, ok := puller.ParseMountInfo(line)
+		if ok && (mp == dir || strings.HasPrefix(mp, dir+"/")) {
 			mps = append(mps, mp)
 		}
 	}
-	// Deepest first, so that unmounting in order works.
-	for i, j := 0, len(mps)-1; i < j; i, j = i+1, j-1 {
-		mps[i], mps[j] = mps[j], mps[i]
-	}
+	slices.Reverse(mps)
 	return mps
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 etc.) of mountinfo.
-func unescapeMountinfo(s string) string {
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // cacheContents returns the names under the node cache's materialized image

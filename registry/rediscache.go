@@ -97,30 +97,31 @@ func (s *Server) flushBlobDescriptorCache(ctx context.Context) (int, error) {
 	}
 	defer client.Close()
 	var deleted atomic.Int64
+	unlink := func(ctx context.Context, c redis.UniversalClient, keys []string) error {
+		if len(keys) == 0 {
+			return nil
+		}
+		n, err := c.Unlink(ctx, keys...).Result()
+		deleted.Add(n)
+		return err
+	}
 	flush := func(ctx context.Context, c redis.UniversalClient) error {
 		for _, pattern := range blobDescriptorKeyPatterns {
 			iter := c.Scan(ctx, 0, pattern, 1000).Iterator()
 			var batch []string
 			for iter.Next(ctx) {
-				batch = append(batch, iter.Val())
-				if len(batch) == 1000 {
-					n, err := c.Unlink(ctx, batch...).Result()
-					if err != nil {
+				if batch = append(batch, iter.Val()); len(batch) == 1000 {
+					if err := unlink(ctx, c, batch); err != nil {
 						return err
 					}
-					deleted.Add(n)
 					batch = batch[:0]
 				}
 			}
 			if err := iter.Err(); err != nil {
 				return err
 			}
-			if len(batch) > 0 {
-				n, err := c.Unlink(ctx, batch...).Result()
-				if err != nil {
-					return err
-				}
-				deleted.Add(n)
+			if err := unlink(ctx, c, batch); err != nil {
+				return err
 			}
 		}
 		return nil

@@ -7,6 +7,7 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/cryo-oci/cryo/format/layout"
+	"github.com/cryo-oci/cryo/transfer"
 	"github.com/spf13/cobra"
 )
 
@@ -74,7 +75,7 @@ tags the snapshot index. Packing the same dir twice gives the same digest.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&layoutDir, "layout", "", "OCI image layout directory to write (required)")
-	f.StringVar(&tag, "tag", defaultTag, "tag of the snapshot in the layout")
+	f.StringVar(&tag, "tag", transfer.DefaultTag, "tag of the snapshot in the layout")
 	f.StringVar(&created, "created", "", "creation time to record (RFC 3339); default: the checkpoint's own timestamp")
 	f.StringVar(&chunking, "chunking", chunker.PageCDC, "chunking algorithm: page-cdc or fixed")
 	f.IntVar(&avg, "chunk-size", format.DefaultAvgChunkSize, "mean chunk size in bytes (page-cdc: min size/4, max size*4)")

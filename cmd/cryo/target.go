@@ -6,14 +6,12 @@ import (
 	"os"
 	"strings"
 
+	"github.com/cryo-oci/cryo/transfer"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/content/oci"
 )
-
-// defaultTag is the tag used when a reference names none.
-const defaultTag = "latest"
 
 // layoutRef is an OCI layout dir and a tag or digest in it.
 type layoutRef struct {
@@ -30,12 +28,12 @@ func parseLayoutRef(s string) layoutRef {
 		}
 	}
 	if _, err := os.Stat(s); err == nil {
-		return layoutRef{dir: s, reference: defaultTag}
+		return layoutRef{dir: s, reference: transfer.DefaultTag}
 	}
 	if i := strings.LastIndex(s, ":"); i > 0 && !strings.Contains(s[i+1:], "/") {
 		return layoutRef{dir: s[:i], reference: s[i+1:]}
 	}
-	return layoutRef{dir: s, reference: defaultTag}
+	return layoutRef{dir: s, reference: transfer.DefaultTag}
 }
 
 func (r layoutRef) String() string {

@@ -1,10 +1,7 @@
 package gvisortest
 
 import (
-	"encoding/binary"
-	"encoding/json"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -50,7 +47,7 @@ func TestCheckpointRestore(t *testing.T) {
 			t.Errorf("%s is %d bytes, want >= %d", name, fi.Size(), mib<<20)
 		}
 	}
-	meta, err := readMetadata(filepath.Join(img, CheckpointFile))
+	meta, err := ReadMetadata(filepath.Join(img, CheckpointFile))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,34 +122,4 @@ func BenchmarkCheckpointRestore(b *testing.B) {
 	b.ReportMetric(ms(restoreCmd), "restore-cmd-ms")
 	b.ReportMetric(ms(firstOutput), "restore-first-output-ms")
 	b.ReportMetric(ms(allPages), "restore-all-pages-ms")
-}
-
-// readMetadata reads the JSON metadata in a checkpoint.img header: 8-byte
-// magic "gVisorSF", 8-byte big-endian length, JSON object of strings.
-func readMetadata(path string) (map[string]string, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	var hdr [16]byte
-	if _, err := io.ReadFull(f, hdr[:]); err != nil {
-		return nil, fmt.Errorf("%s: header: %w", path, err)
-	}
-	if string(hdr[:8]) != "gVisorSF" {
-		return nil, fmt.Errorf("%s: magic %q", path, hdr[:8])
-	}
-	n := binary.BigEndian.Uint64(hdr[8:])
-	if n > 64<<20 {
-		return nil, fmt.Errorf("%s: metadata length %d", path, n)
-	}
-	data := make([]byte, n)
-	if _, err := io.ReadFull(f, data); err != nil {
-		return nil, fmt.Errorf("%s: metadata: %w", path, err)
-	}
-	var meta map[string]string
-	if err := json.Unmarshal(data, &meta); err != nil {
-		return nil, fmt.Errorf("%s: metadata: %w", path, err)
-	}
-	return meta, nil
 }
