@@ -36,7 +36,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -46,6 +45,8 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/cryo-oci/cryo/format/layout"
+	"github.com/cryo-oci/cryo/internal/benchutil"
+	"github.com/cryo-oci/cryo/internal/progress"
 	"github.com/cryo-oci/cryo/internal/synth"
 )
 
@@ -153,13 +154,13 @@ func fatalf(f string, args ...any) {
 	os.Exit(1)
 }
 
-func progress(f string, args ...any) {
+func logf(f string, args ...any) {
 	fmt.Fprintf(os.Stderr, f+"\n", args...)
 }
 
 func run(ctx context.Context, cfg config, scratch string) error {
-	progress("scratch dir %s, load average %s", scratch, loadavg())
-	defer func() { progress("done, load average %s", loadavg()) }()
+	logf("scratch dir %s, load average %s", scratch, loadavg())
+	defer func() { logf("done, load average %s", loadavg()) }()
 	fmt.Printf("`formatbench %s` — GOMAXPROCS=%d, %s, %s/%s, %s, %s\n",
 		strings.Join(quoteArgs(os.Args[1:]), " "), runtime.GOMAXPROCS(0), runtime.Version(),
 		runtime.GOOS, runtime.GOARCH, cpuModel(), time.Now().UTC().Format("2006-01-02 15:04 MST"))
@@ -195,14 +196,14 @@ func packBench(ctx context.Context, cfg config, scratch string) error {
 		}
 		rows = append(rows, row)
 	}
-	fmt.Printf("\n### Pack throughput, %s pages.img, %d reps\n\n", human(cfg.size), cfg.reps)
+	fmt.Printf("\n### Pack throughput, %s pages.img, %d reps\n\n", progress.Bytes(cfg.size), cfg.reps)
 	fmt.Println("| kind | logical | cryo pack MB/s | naive read+sha256+copy MB/s | pack / naive | stored | stored / logical | chunks zero / raw / zstd |")
 	fmt.Println("|---|--:|--:|--:|--:|--:|--:|--:|")
 	for _, r := range rows {
-		cm, nm := median(r.cryo), median(r.naive)
+		cm, nm := benchutil.Median(r.cryo), benchutil.Median(r.naive)
 		fmt.Printf("| %s | %s | %s | %s | %.2f | %s | %.1f%% | %d / %d / %d |\n",
-			r.kind, human(r.logical), spread(r.cryo), spread(r.naive), cm/nm,
-			human(r.stored), 100*float64(r.stored)/float64(r.logical), r.zero, r.raw, r.zs)
+			r.kind, progress.Bytes(r.logical), benchutil.Spread(r.cryo, "%.0f"), benchutil.Spread(r.naive, "%.0f"), cm/nm,
+			progress.Bytes(r.stored), 100*float64(r.stored)/float64(r.logical), r.zero, r.raw, r.zs)
 	}
 	fmt.Println()
 	fmt.Println("MB/s is 10^6 bytes of image dir per second of wall time: median of the reps, min–max in parentheses.",
@@ -215,7 +216,7 @@ func packBench(ctx context.Context, cfg config, scratch string) error {
 func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) (packRow, error) {
 	row := packRow{kind: kind}
 	img := filepath.Join(scratch, "img-"+string(kind))
-	progress("pack %s: writing %s image dir", kind, human(cfg.size))
+	logf("pack %s: writing %s image dir", kind, progress.Bytes(cfg.size))
 	if err := synth.ImageDir(img, kind, cfg.size, baseSeed); err != nil {
 		return row, err
 	}
@@ -248,7 +249,7 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 		row.cryo = append(row.cryo, mbps(logical, d))
 		row.stored = stats.StoredBytes
 		row.zero, row.raw, row.zs = stats.Chunks[format.EncodingZero], stats.Chunks[format.EncodingRaw], stats.Chunks[format.EncodingZstd]
-		progress("pack %s rep %d/%d: cryo  %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
+		logf("pack %s rep %d/%d: cryo  %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
 
 		// naive
 		syscall.Sync()
@@ -265,7 +266,7 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 			return row, fmt.Errorf("naive copy read %d bytes, image dir holds %d", n, logical)
 		}
 		row.naive = append(row.naive, mbps(logical, d))
-		progress("pack %s rep %d/%d: naive %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
+		logf("pack %s rep %d/%d: naive %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
 	}
 	syscall.Sync()
 	return row, nil
@@ -371,7 +372,7 @@ func dedupBench(ctx context.Context, cfg config, scratch string) error {
 	for _, kind := range cfg.dedupKinds {
 		base := filepath.Join(scratch, "base-"+string(kind)+".img")
 		second := filepath.Join(scratch, "second-"+string(kind)+".img")
-		progress("dedup %s: writing base and mutated copy (%s each)", kind, human(cfg.size))
+		logf("dedup %s: writing base and mutated copy (%s each)", kind, progress.Bytes(cfg.size))
 		unchanged, err := makePair(base, second, kind, cfg.size, pages, plan)
 		if err != nil {
 			return fmt.Errorf("dedup %s: %w", kind, err)
@@ -393,30 +394,30 @@ func dedupBench(ctx context.Context, cfg config, scratch string) error {
 				start := time.Now()
 				r, err := dedupPair(base, second, p)
 				if err != nil {
-					return fmt.Errorf("dedup %s %s/%s: %w", kind, alg, human(int64(avg)), err)
+					return fmt.Errorf("dedup %s %s/%s: %w", kind, alg, progress.Bytes(int64(avg)), err)
 				}
 				r.kind, r.unchanged = kind, unchanged
 				rows = append(rows, r)
-				progress("dedup %s %-8s %7s: %d chunks, shared %.1f%% of unchanged (%.1fs)", kind, alg, human(int64(avg)),
+				logf("dedup %s %-8s %7s: %d chunks, shared %.1f%% of unchanged (%.1fs)", kind, alg, progress.Bytes(int64(avg)),
 					r.chunks, 100*float64(r.shared)/float64(unchanged), time.Since(start).Seconds())
 			}
 		}
 		os.Remove(base)
 		os.Remove(second)
 	}
-	fmt.Printf("\n### Dedup between two snapshots, %s pages.img\n\n", human(cfg.size))
+	fmt.Printf("\n### Dedup between two snapshots, %s pages.img\n\n", progress.Bytes(cfg.size))
 	for _, in := range inputs {
 		fmt.Printf("- %s: base is %s of %s pages (seed %d); the second is `synth.Mutate` of it with `MutationPlan(%d pages, %d, %.2f, %d)`: %d edits, %s, of which %s (%.1f%%) are unchanged pages of the base.\n",
-			in.kind, human(cfg.size), in.kind, baseSeed, pages, indels, rewriteFrac, mutateSeed, in.edits,
-			human(in.size), human(in.unchanged), 100*float64(in.unchanged)/float64(in.size))
+			in.kind, progress.Bytes(cfg.size), in.kind, baseSeed, pages, indels, rewriteFrac, mutateSeed, in.edits,
+			progress.Bytes(in.size), progress.Bytes(in.unchanged), 100*float64(in.unchanged)/float64(in.size))
 	}
 	fmt.Println()
 	fmt.Println("| kind | chunking | avg | chunks of 2nd (fetches) | mean chunk | shared / unchanged | upload / size of 2nd |")
 	fmt.Println("|---|---|--:|--:|--:|--:|--:|")
 	for _, r := range rows {
 		fmt.Printf("| %s | %s | %s | %d | %s | %.1f%% | %.1f%% |\n",
-			r.kind, r.params.Algorithm, human(int64(r.params.Avg)), r.chunks,
-			human(r.size/int64(max(r.chunks, 1))), 100*float64(r.shared)/float64(r.unchanged),
+			r.kind, r.params.Algorithm, progress.Bytes(int64(r.params.Avg)), r.chunks,
+			progress.Bytes(r.size/int64(max(r.chunks, 1))), 100*float64(r.shared)/float64(r.unchanged),
 			100*float64(r.upload)/float64(r.size))
 	}
 	fmt.Println()
@@ -550,43 +551,6 @@ func loadavg() string {
 
 func mbps(n int64, d time.Duration) float64 {
 	return float64(n) / 1e6 / d.Seconds()
-}
-
-func median(v []float64) float64 {
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
-}
-
-// spread formats the median of v and, for several reps, its min–max range.
-func spread(v []float64) string {
-	if len(v) == 1 {
-		return fmt.Sprintf("%.0f", v[0])
-	}
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
-	return fmt.Sprintf("%.0f (%.0f–%.0f)", median(s), s[0], s[len(s)-1])
-}
-
-// human formats a byte count in binary units.
-func human(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	units := []string{"KiB", "MiB", "GiB", "TiB"}
-	v, i := float64(n)/unit, 0
-	for v >= unit && i < len(units)-1 {
-		v /= unit
-		i++
-	}
-	if v == float64(int64(v)) {
-		return fmt.Sprintf("%d %s", int64(v), units[i])
-	}
-	return fmt.Sprintf("%.2f %s", v, units[i])
 }
 
 func quoteArgs(args []string) []string {

@@ -32,7 +32,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -48,6 +47,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/barchart"
+	"github.com/cryo-oci/cryo/internal/benchutil"
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
@@ -245,7 +245,11 @@ type registry struct {
 func startRegistries(cfg config, n int) ([]*registry, error) {
 	var regs []*registry
 	for range n {
-		addr := freeAddr()
+		addr, err := benchutil.FreeAddr()
+		if err != nil {
+			stopAll(regs)
+			return nil, err
+		}
 		cmd := exec.Command(cfg.cryo, "registry", "serve", "--root", cfg.root, "--addr", addr, "--metrics-addr", "")
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 		if err := cmd.Start(); err != nil {
@@ -510,15 +514,6 @@ func fetchVerified(ctx context.Context, repo *remote.Repository, d ocispec.Descr
 		return err
 	}
 	return f.Close()
-}
-
-func freeAddr() string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
 }
 
 func gbps(n int64, d time.Duration) float64 { return float64(n) / d.Seconds() / 1e9 }

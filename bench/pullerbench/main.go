@@ -14,16 +14,15 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"sort"
 	"syscall"
 	"time"
 
+	"github.com/cryo-oci/cryo/internal/benchutil"
 	"github.com/cryo-oci/cryo/internal/progress"
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/puller"
@@ -54,7 +53,10 @@ func run(size int64, reps, reads int, bin string) error {
 		return err
 	}
 	defer os.RemoveAll(work)
-	addr := freeAddr()
+	addr, err := benchutil.FreeAddr()
+	if err != nil {
+		return err
+	}
 	reg := exec.Command(cryo, "registry", "serve", "--root", filepath.Join(work, "registry"), "--addr", addr, "--metrics-addr", "")
 	reg.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := reg.Start(); err != nil {
@@ -101,7 +103,9 @@ func run(size int64, reps, reads int, bin string) error {
 		if err != nil {
 			return err
 		}
-		dropCaches()
+		if err := benchutil.DropCaches(); err != nil {
+			return err
+		}
 		m, err := p.Mount(ctx, src, filepath.Join(work, fmt.Sprintf("mnt-%d", r)))
 		if err != nil {
 			return err
@@ -132,7 +136,9 @@ func run(size int64, reps, reads int, bin string) error {
 		os.RemoveAll(cacheDir)
 
 		out := filepath.Join(work, "out")
-		dropCaches()
+		if err := benchutil.DropCaches(); err != nil {
+			return err
+		}
 		t := time.Now()
 		if o, err := exec.Command(cryo, "pull", addr+"/app:v1", out).CombinedOutput(); err != nil {
 			return fmt.Errorf("cryo pull: %v\n%s", err, o)
@@ -140,7 +146,9 @@ func run(size int64, reps, reads int, bin string) error {
 		cpull = append(cpull, time.Since(t).Seconds())
 		os.RemoveAll(out)
 		os.MkdirAll(out, 0o755)
-		dropCaches()
+		if err := benchutil.DropCaches(); err != nil {
+			return err
+		}
 		t = time.Now()
 		if o, err := exec.Command(oras, "pull", "--plain-http", "-o", out, addr+"/oras:v1").CombinedOutput(); err != nil {
 			return fmt.Errorf("oras pull: %v\n%s", err, o)
@@ -150,50 +158,30 @@ func run(size int64, reps, reads int, bin string) error {
 		fmt.Fprintf(os.Stderr, "rep %d: ready %.1f ms, loaded %.2f s, cryo pull %.2f s, oras pull %.2f s\n", r, ready[r]*1000, loaded[r], cpull[r], opull[r])
 	}
 	fmt.Printf("`go run ./bench/pullerbench -size %d -reps %d -reads %d` — GOMAXPROCS=%d, %s, %s\n\n", size, reps, reads, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
-	fmt.Printf("### Node puller, %s random pages.img, registry on loopback, cold node cache, %d reps\n\n", human(size), reps)
+	fmt.Printf("### Node puller, %s random pages.img, registry on loopback, cold node cache, %d reps\n\n", progress.Bytes(size), reps)
 	fmt.Println("| measure | median | min–max |")
 	fmt.Println("|---|--:|--:|")
-	fmt.Printf("| mount ready (ms) | %.1f | %s |\n", 1000*med(ready), spread(ready, 1000, "%.1f"))
-	fmt.Printf("| random 256 KiB read, cold cache, p50 (ms) | %.2f | |\n", 1000*pct(lat, 0.5))
-	fmt.Printf("| random 256 KiB read, cold cache, p99 (ms) | %.2f | |\n", 1000*pct(lat, 0.99))
-	fmt.Printf("| every chunk local (s) | %.2f | %s |\n", med(local), spread(local, 1, "%.2f"))
-	fmt.Printf("| mount fully loaded, materialized dir written (s) | %.2f | %s |\n", med(loaded), spread(loaded, 1, "%.2f"))
-	fmt.Printf("| cryo pull (s) | %.2f | %s |\n", med(cpull), spread(cpull, 1, "%.2f"))
-	fmt.Printf("| oras pull (s) | %.2f | %s |\n", med(opull), spread(opull, 1, "%.2f"))
-	fmt.Printf("| every chunk local / cryo pull | %.2f | |\n", med(local)/med(cpull))
-	fmt.Printf("| fully loaded / cryo pull | %.2f | |\n", med(loaded)/med(cpull))
-	fmt.Printf("| fully loaded / oras pull | %.2f | |\n", med(loaded)/med(opull))
+	fmt.Printf("| mount ready (ms) | %.1f | %s |\n", 1000*benchutil.Median(ready), benchutil.Range(scale(ready, 1000), "%.1f"))
+	fmt.Printf("| random 256 KiB read, cold cache, p50 (ms) | %.2f | |\n", 1000*benchutil.Percentile(lat, 0.5))
+	fmt.Printf("| random 256 KiB read, cold cache, p99 (ms) | %.2f | |\n", 1000*benchutil.Percentile(lat, 0.99))
+	fmt.Printf("| every chunk local (s) | %.2f | %s |\n", benchutil.Median(local), benchutil.Range(local, "%.2f"))
+	fmt.Printf("| mount fully loaded, materialized dir written (s) | %.2f | %s |\n", benchutil.Median(loaded), benchutil.Range(loaded, "%.2f"))
+	fmt.Printf("| cryo pull (s) | %.2f | %s |\n", benchutil.Median(cpull), benchutil.Range(cpull, "%.2f"))
+	fmt.Printf("| oras pull (s) | %.2f | %s |\n", benchutil.Median(opull), benchutil.Range(opull, "%.2f"))
+	fmt.Printf("| every chunk local / cryo pull | %.2f | |\n", benchutil.Median(local)/benchutil.Median(cpull))
+	fmt.Printf("| fully loaded / cryo pull | %.2f | |\n", benchutil.Median(loaded)/benchutil.Median(cpull))
+	fmt.Printf("| fully loaded / oras pull | %.2f | |\n", benchutil.Median(loaded)/benchutil.Median(opull))
 	fmt.Println("\nThe page cache is dropped before each measurement. The fully loaded time includes writing the materialized image dir that later restores use.")
 	return nil
 }
 
-func dropCaches() {
-	syscall.Sync()
-	os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200)
-}
 
-func med(v []float64) float64 { return pct(v, 0.5) }
 
-func pct(v []float64, p float64) float64 {
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
-	i := int(p * float64(len(s)-1))
-	return s[i]
-}
-
-func spread(v []float64, scale float64, f string) string {
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
-	return fmt.Sprintf(f+"–"+f, s[0]*scale, s[len(s)-1]*scale)
-}
-
-func freeAddr() string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
+// scale returns v with every value multiplied by k.
+func scale(v []float64, k float64) []float64 {
+	out := make([]float64, len(v))
+	for i, x := range v {
+		out[i] = x * k
 	}
-	defer ln.Close()
-	return ln.Addr().String()
+	return out
 }
-
-func human(n int64) string { return progress.Bytes(n) }

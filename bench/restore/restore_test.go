@@ -10,13 +10,12 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
-	"sort"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/cryo-oci/cryo/internal/benchutil"
 	"github.com/cryo-oci/cryo/internal/gvisortest"
 	"github.com/cryo-oci/cryo/internal/testenv"
 )
@@ -93,19 +92,25 @@ func BenchmarkRestore(b *testing.B) {
 					var cmd *exec.Cmd
 					switch path {
 					case localCold:
-						dropCaches()
+						if err := benchutil.DropCaches(); err != nil {
+							b.Fatal(err)
+						}
 						cmd = shell(app, runscRestore(app, img)+" && "+runscWait(app))
 					case localWarm:
 						warm(img)
 						cmd = shell(app, runscRestore(app, img)+" && "+runscWait(app))
 					case naive:
-						dropCaches()
+						if err := benchutil.DropCaches(); err != nil {
+							b.Fatal(err)
+						}
 						out := filepath.Join(work, "oras-out")
 						cmd = shell(app, fmt.Sprintf("mkdir -p %s && %s pull --plain-http -o %s %s/oras:%s >/dev/null && ", out, oras, out, addr, tag)+
 							runscRestore(app, out)+" && "+runscWait(app))
 					case cryoCold, cryoWarm:
 						if path == cryoCold {
-							dropCaches()
+							if err := benchutil.DropCaches(); err != nil {
+								b.Fatal(err)
+							}
 						} else {
 							warm(filepath.Join(cache, "images"))
 						}
@@ -188,11 +193,6 @@ func shell(app *gvisortest.App, script string) *exec.Cmd {
 	return exec.Command("/bin/sh", "-c", script)
 }
 
-func dropCaches() {
-	syscall.Sync()
-	os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200)
-}
-
 // warm reads every file under dir into the page cache.
 func warm(dir string) {
 	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
@@ -227,28 +227,23 @@ func blobBytes(b *testing.B, metricsAddr string) float64 {
 	return 0
 }
 
-func med(s []sample, f func(sample) float64) float64 {
+// med is the median of f over s.
+func med(s []sample, f func(sample) float64) float64 { return benchutil.Median(values(s, f)) }
+
+// values returns f of every sample.
+func values(s []sample, f func(sample) float64) []float64 {
 	v := make([]float64, len(s))
 	for i, x := range s {
 		v[i] = f(x)
 	}
-	sort.Float64s(v)
-	return v[len(v)/2]
+	return v
 }
 
 func cell(s []sample, f func(sample) float64) string {
 	if len(s) == 0 {
 		return "-"
 	}
-	m := med(s, f)
-	if len(s) == 1 {
-		return fmt.Sprintf("%.2f", m)
-	}
-	lo, hi := f(s[0]), f(s[0])
-	for _, x := range s {
-		lo, hi = min(lo, f(x)), max(hi, f(x))
-	}
-	return fmt.Sprintf("%.2f (%.2f–%.2f)", m, lo, hi)
+	return benchutil.Spread(values(s, f), "%.2f")
 }
 
 func running(s sample) float64 { return s.running }

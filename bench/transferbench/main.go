@@ -15,18 +15,17 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/cryo-oci/cryo/internal/benchutil"
 	"github.com/cryo-oci/cryo/internal/progress"
 	"github.com/cryo-oci/cryo/internal/synth"
 )
@@ -61,7 +60,14 @@ func run(size int64, reps int, kinds []string, bin string) error {
 		return err
 	}
 	defer os.RemoveAll(work)
-	addr, maddr := freeAddr(), freeAddr()
+	addr, err := benchutil.FreeAddr()
+	if err != nil {
+		return err
+	}
+	maddr, err := benchutil.FreeAddr()
+	if err != nil {
+		return err
+	}
 	reg := exec.Command(cryo, "registry", "serve", "--root", filepath.Join(work, "registry"), "--addr", addr, "--metrics-addr", maddr)
 	reg.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := reg.Start(); err != nil {
@@ -72,7 +78,7 @@ func run(size int64, reps int, kinds []string, bin string) error {
 		return err
 	}
 	fmt.Printf("`go run ./bench/transferbench -size %d -reps %d -kinds %s` — GOMAXPROCS=%d, %s, %s\n\n", size, reps, strings.Join(kinds, ","), runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
-	fmt.Printf("### Push and pull on loopback, %s pages.img, %d reps\n\n", human(size), reps)
+	fmt.Printf("### Push and pull on loopback, %s pages.img, %d reps\n\n", progress.Bytes(size), reps)
 	fmt.Println("| kind | op | cryo s | oras s | cryo/oras time | cryo wire | oras wire | cryo/oras bytes |")
 	fmt.Println("|---|---|--:|--:|--:|--:|--:|--:|")
 	var firstDir string
@@ -173,37 +179,28 @@ func run(size int64, reps int, kinds []string, bin string) error {
 	fmt.Printf("\n### Second snapshot (%s, %d edits, %.1f%% of pages unchanged)\n\n", kinds[0], len(edits), 100*float64(unchanged)/float64(size))
 	fmt.Println("| push | time s | uploaded | uploaded / logical | bytes on the wire |")
 	fmt.Println("|---|--:|--:|--:|--:|")
-	fmt.Printf("| cryo push of the second snapshot | %.2f | %s | %.1f%% | %s |\n", s.seconds, human(res.Stats.UploadedBytes), 100*float64(res.Stats.UploadedBytes)/float64(res.Stats.LogicalBytes), human(int64(s.wire)))
+	fmt.Printf("| cryo push of the second snapshot | %.2f | %s | %.1f%% | %s |\n", s.seconds, progress.Bytes(res.Stats.UploadedBytes), 100*float64(res.Stats.UploadedBytes)/float64(res.Stats.LogicalBytes), progress.Bytes(int64(s.wire)))
 	fmt.Println("\nWall time of the command; bytes on the wire are HTTP body bytes the registry received (push) or sent (pull), from its cryo_registry_request/response_bytes_total counters. Pushes run once per kind (a repeat would find every blob present); pulls are repeated, cryo and oras alternating, into a fresh dir each time.")
 	return nil
 }
 
 func row(kind, op string, c, o []sample) {
-	mc, mo := median(c, func(s sample) float64 { return s.seconds }), median(o, func(s sample) float64 { return s.seconds })
-	wc, wo := median(c, func(s sample) float64 { return s.wire }), median(o, func(s sample) float64 { return s.wire })
-	fmt.Printf("| %s | %s | %s | %s | %.2f | %s | %s | %.2f |\n", kind, op, spread(c), spread(o), mc/mo, human(int64(wc)), human(int64(wo)), wc/wo)
+	mc, mo := benchutil.Median(values(c, seconds)), benchutil.Median(values(o, seconds))
+	wc, wo := benchutil.Median(values(c, wire)), benchutil.Median(values(o, wire))
+	fmt.Printf("| %s | %s | %s | %s | %.2f | %s | %s | %.2f |\n", kind, op, benchutil.Spread(values(c, seconds), "%.2f"), benchutil.Spread(values(o, seconds), "%.2f"), mc/mo, progress.Bytes(int64(wc)), progress.Bytes(int64(wo)), wc/wo)
 }
 
-func spread(s []sample) string {
-	m := median(s, func(s sample) float64 { return s.seconds })
-	if len(s) == 1 {
-		return fmt.Sprintf("%.2f", m)
-	}
-	lo, hi := s[0].seconds, s[0].seconds
-	for _, x := range s {
-		lo, hi = min(lo, x.seconds), max(hi, x.seconds)
-	}
-	return fmt.Sprintf("%.2f (%.2f–%.2f)", m, lo, hi)
-}
-
-func median(s []sample, f func(sample) float64) float64 {
+// values returns f of every sample.
+func values(s []sample, f func(sample) float64) []float64 {
 	v := make([]float64, len(s))
 	for i, x := range s {
 		v[i] = f(x)
 	}
-	sort.Float64s(v)
-	return v[len(v)/2]
+	return v
 }
+
+func seconds(s sample) float64 { return s.seconds }
+func wire(s sample) float64    { return s.wire }
 
 // measure runs fn and returns its wall time and the registry's body bytes
 // of the given direction ("request" or "response") during it.
@@ -251,15 +248,6 @@ func runExec(c *exec.Cmd) error {
 	return nil
 }
 
-func freeAddr() string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
 func waitHTTP(url string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -273,4 +261,3 @@ func waitHTTP(url string) error {
 	return fmt.Errorf("registry did not start")
 }
 
-func human(n int64) string { return progress.Bytes(n) }
