@@ -38,9 +38,14 @@ lint: deps
 	cd charts/test && $(GO) vet ./... && $(BIN)/staticcheck ./...
 
 # Tests that need root, FUSE or runsc skip with a printed reason on a laptop
-# and fail instead of skipping when CI=true.
+# and fail instead of skipping when CI=true. The library (everything that
+# runs in the registry and on the node, and the internal packages under
+# it) runs under the race detector; the rest (commands, benchmarks, the
+# conformance and scale suites, which drive processes) without it.
+RACE_PKGS  := ./format/... ./transfer/... ./registry/... ./puller/... ./internal/...
 test-go: build
-	$(GO) test -count=1 ./...
+	$(GO) test -race -count=1 $(RACE_PKGS)
+	$(GO) test -count=1 $$($(GO) list ./... | grep -v -E '/cryo/(format|transfer|registry|puller|internal)(/|$$)')
 
 conformance: build deps
 	$(GO) test -count=1 -v -run '^TestOCIDistributionSpec$$' ./conformance
