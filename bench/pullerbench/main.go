@@ -175,8 +175,6 @@ func run(size int64, reps, reads int, bin string) error {
 	return nil
 }
 
-
-
 // scale returns v with every value multiplied by k.
 func scale(v []float64, k float64) []float64 {
 	out := make([]float64, len(v))

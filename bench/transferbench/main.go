@@ -260,4 +260,3 @@ func waitHTTP(url string) error {
 	}
 	return fmt.Errorf("registry did not start")
 }
-
