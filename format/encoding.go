@@ -41,12 +41,15 @@ func NewCodec(concurrency int) (*Codec, error) {
 	if err != nil {
 		return nil, fmt.Errorf("zstd encoder: %w", err)
 	}
-	// WithDecoderMaxMemory bounds what one frame may decode to: a blob that
+	// WithDecoderMaxMemory bounds what one blob may decode to: a blob that
 	// claims to be a chunk cannot expand beyond the largest chunk (bomb).
+	// WithDecodeAllCapLimit bounds it further to the capacity of the output
+	// buffer, which Decode sets to the chunk's size.
 	dec, err := zstd.NewReader(nil,
 		zstd.WithDecoderConcurrency(concurrency),
 		zstd.WithDecoderMaxMemory(MaxChunkSize),
 		zstd.WithDecoderMaxWindow(MaxChunkSize),
+		zstd.WithDecodeAllCapLimit(true),
 	)
 	if err != nil {
 		enc.Close()
@@ -117,14 +120,21 @@ func (c *Codec) Verify(ch Chunk, data []byte) error {
 
 // Decode turns a chunk's blob back into its bytes, appended to dst[:0], and
 // verifies their size and sha256 against the table entry. A zero chunk needs
-// no blob. Nothing is returned that was not verified.
+// no blob. Nothing is returned that was not verified: the output has exactly
+// ch.Size bytes, or Decode fails. A chunk whose size is not 1..MaxChunkSize
+// is refused before anything is allocated, and a zstd blob is decompressed
+// into at most ch.Size bytes (plus one zstd block the decoder may write
+// before it stops): a blob that expands further fails with ErrTooLarge.
 func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
+	if ch.Size <= 0 {
+		return nil, fmt.Errorf("chunk at offset %d: size %d: %w", ch.Offset, ch.Size, ErrInvalid)
+	}
+	if ch.Size > MaxChunkSize {
+		return nil, fmt.Errorf("chunk at offset %d: size %d: %w (limit %d)", ch.Offset, ch.Size, ErrTooLarge, MaxChunkSize)
+	}
 	var out []byte
 	switch ch.Encoding {
 	case EncodingZero:
-		if ch.Size > MaxChunkSize {
-			return nil, fmt.Errorf("zero chunk at offset %d: size %d: %w", ch.Offset, ch.Size, ErrTooLarge)
-		}
 		out = slices.Grow(dst[:0], int(ch.Size))[:ch.Size]
 		clear(out)
 		return out, nil
@@ -137,11 +147,10 @@ func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
 		if int64(len(blob)) != ch.BlobSize {
 			return nil, fmt.Errorf("chunk %s: zstd blob %s has %d bytes, want %d: %w", ch.Digest, ch.Blob, len(blob), ch.BlobSize, ErrDigestMismatch)
 		}
-		if ch.Size > MaxChunkSize {
-			return nil, fmt.Errorf("chunk %s: size %d: %w", ch.Digest, ch.Size, ErrTooLarge)
-		}
+		// The decoder may not write past the capacity it is given.
+		full := slices.Grow(dst[:0], int(ch.Size))
 		var err error
-		out, err = c.dec.DecodeAll(blob, dst[:0])
+		out, err = c.dec.DecodeAll(blob, full[:0:ch.Size])
 		if errors.Is(err, zstd.ErrDecoderSizeExceeded) || int64(len(out)) > ch.Size {
 			return nil, fmt.Errorf("chunk %s: zstd blob %s decompresses to more than its %d bytes: %w", ch.Digest, ch.Blob, ch.Size, ErrTooLarge)
 		}
@@ -150,6 +159,11 @@ func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
 		}
 		if int64(len(out)) != ch.Size {
 			return nil, fmt.Errorf("chunk %s: blob %s decompresses to %d bytes, want %d: %w", ch.Digest, ch.Blob, len(out), ch.Size, ErrDigestMismatch)
+		}
+		// Hand back the caller's whole buffer, so that it keeps its capacity
+		// for larger chunks.
+		if &out[0] == &full[:1][0] {
+			out = full[:len(out)]
 		}
 	default:
 		return nil, fmt.Errorf("chunk at offset %d: unknown encoding %q: %w", ch.Offset, ch.Encoding, ErrInvalid)

@@ -13,12 +13,16 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/cryo-oci/cryo/format/chunker"
+	"github.com/klauspost/compress/zstd"
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/content/memory"
@@ -254,27 +258,30 @@ func TestLocate(t *testing.T) {
 
 func TestPackRefusesBadDirs(t *testing.T) {
 	ctx := context.Background()
-	cases := map[string]func(dir string) string{
-		"missing":   func(dir string) string { return filepath.Join(dir, "nope") },
-		"not a dir": func(dir string) string { p := filepath.Join(dir, "f"); os.WriteFile(p, nil, 0o644); return p },
-		"empty":     func(dir string) string { return dir },
-		"symlink": func(dir string) string {
+	cases := map[string]struct {
+		mk   func(dir string) string
+		want error
+	}{
+		"missing":   {func(dir string) string { return filepath.Join(dir, "nope") }, fs.ErrNotExist},
+		"not a dir": {func(dir string) string { p := filepath.Join(dir, "f"); os.WriteFile(p, nil, 0o644); return p }, syscall.ENOTDIR},
+		"empty":     {func(dir string) string { return dir }, ErrInvalid},
+		"symlink": {func(dir string) string {
 			os.WriteFile(filepath.Join(dir, "a"), nil, 0o644)
 			os.Symlink("/etc/passwd", filepath.Join(dir, "b"))
 			return dir
-		},
-		"fifo":      func(dir string) string { mkfifo(t, filepath.Join(dir, "p")); return dir },
-		"backslash": func(dir string) string { os.WriteFile(filepath.Join(dir, `a\b`), nil, 0o644); return dir },
+		}, ErrUnsupported},
+		"fifo":      {func(dir string) string { mkfifo(t, filepath.Join(dir, "p")); return dir }, ErrUnsupported},
+		"backslash": {func(dir string) string { os.WriteFile(filepath.Join(dir, `a\b`), nil, 0o644); return dir }, ErrUnsupported},
 	}
-	for name, mk := range cases {
+	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
-			dir := mk(t.TempDir())
+			dir := tc.mk(t.TempDir())
 			store := memory.New()
-			if _, _, err := Pack(ctx, dir, store, PackOptions{}); err == nil {
-				t.Fatal("want an error")
-			} else {
-				t.Log(err)
+			_, _, err := Pack(ctx, dir, store, PackOptions{})
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("got %v, want %v", err, tc.want)
 			}
+			t.Log(err)
 		})
 	}
 }
@@ -319,15 +326,131 @@ func TestDecodeRefusesBadBlobs(t *testing.T) {
 		"wrong size":      {wrongSize, blob, ErrTooLarge},
 		"unknown":         {Chunk{Size: 1, Encoding: "lz4"}, []byte{1}, ErrInvalid},
 		"zero over limit": {Chunk{Size: MaxChunkSize + 1, Encoding: EncodingZero}, nil, ErrTooLarge},
+		// Sizes no table validation let through, handed to Decode directly:
+		// an error, never a panic or output of another length.
+		"zero negative size": {Chunk{Size: -1, Encoding: EncodingZero}, nil, ErrInvalid},
+		"zstd size 0":        {Chunk{Size: 0, Encoding: EncodingZstd, Digest: c.Digest, Blob: c.Blob, BlobSize: c.BlobSize}, blob, ErrInvalid},
+		"raw over limit":     {Chunk{Size: MaxChunkSize + 1, Encoding: EncodingRaw, Digest: rc.Digest, Blob: rc.Blob, BlobSize: MaxChunkSize + 1}, rblob, ErrTooLarge},
+		"zstd size too big":  {Chunk{Size: c.Size + 1, Encoding: EncodingZstd, Digest: c.Digest, Blob: c.Blob, BlobSize: c.BlobSize}, blob, ErrDigestMismatch},
+		"two frames":         {Chunk{Size: c.Size, Encoding: EncodingZstd, Digest: c.Digest, Blob: c.Blob, BlobSize: 2 * c.BlobSize}, append(bytes.Clone(blob), blob...), ErrTooLarge},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
-			_, err := codec.Decode(tc.c, tc.blob, nil)
-			if !errors.Is(err, tc.want) {
-				t.Fatalf("got %v, want %v", err, tc.want)
+			out, err := codec.Decode(tc.c, tc.blob, nil)
+			if !errors.Is(err, tc.want) || out != nil {
+				t.Fatalf("got %d bytes, %v; want %v", len(out), err, tc.want)
 			}
 		})
 	}
+}
+
+// TestDecodeStopsAtChunkSize checks that a zstd blob that expands beyond
+// its chunk's size is refused after decompressing about that many bytes,
+// not the 16 MiB every decode is capped at, whether or not its frame
+// header declares the content size: a table naming many small chunks in
+// such blobs must not make every decode allocate 16 MiB.
+func TestDecodeStopsAtChunkSize(t *testing.T) {
+	codec, err := NewCodec(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer codec.Close()
+	bombData := make([]byte, 12<<20) // under the 16 MiB cap
+	bombData[0] = 1
+	withSize := codec.enc.EncodeAll(bombData, nil)
+	var stream bytes.Buffer
+	zw, err := zstd.NewWriter(&stream, zstd.WithEncoderConcurrency(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	zw.Write(bombData)
+	zw.Close()
+	if h := (zstd.Header{}); h.Decode(stream.Bytes()) != nil || h.HasFCS {
+		t.Fatalf("streamed frame declares its content size (%v)", h.Decode(stream.Bytes()))
+	}
+	for name, blob := range map[string][]byte{"frame with content size": withSize, "frame without content size": stream.Bytes()} {
+		t.Run(name, func(t *testing.T) {
+			ch := Chunk{Size: 4096, Encoding: EncodingZstd, Digest: digest.FromBytes(bombData[:4096]), Blob: digest.FromBytes(blob), BlobSize: int64(len(blob))}
+			// Warm the decoder up, then measure one decode's allocations.
+			codec.Decode(ch, blob, nil)
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			out, err := codec.Decode(ch, blob, nil)
+			runtime.ReadMemStats(&after)
+			// Without a declared size the decoder stops when the buffer is
+			// full and reports that as a corrupt block: either error will do.
+			if !(errors.Is(err, ErrTooLarge) || errors.Is(err, ErrDigestMismatch)) || out != nil {
+				t.Fatalf("got %d bytes, %v; want ErrTooLarge or ErrDigestMismatch", len(out), err)
+			}
+			// One zstd block (128 KiB) past the chunk may be decoded before
+			// the decoder stops.
+			if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 1<<20 {
+				t.Fatalf("decoding a bomb for a 4 KiB chunk allocated %d bytes", alloc)
+			}
+		})
+	}
+}
+
+// TestDecodeKeepsBuffer checks that a decoded chunk comes back in the
+// caller's buffer with its capacity, so buffers are reused across chunks.
+func TestDecodeKeepsBuffer(t *testing.T) {
+	codec, err := NewCodec(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer codec.Close()
+	text := textLike(3, 64<<10)
+	c, blob := codec.Encode(text, nil)
+	buf := make([]byte, 0, 1<<20)
+	out, err := codec.Decode(c, blob, buf)
+	if err != nil || !bytes.Equal(out, text) {
+		t.Fatalf("decode: %v", err)
+	}
+	if cap(out) != cap(buf) || &out[0] != &buf[:1][0] {
+		t.Fatalf("decoded into a new buffer of cap %d, not the caller's of cap %d", cap(out), cap(buf))
+	}
+}
+
+// TestParseIndexRefusesFileThatIsADir checks that no path of a snapshot may
+// be a file and also a directory of another path, wherever sorting puts the
+// two ("a-x" sorts between "a" and "a/b").
+func TestParseIndexRefusesFileThatIsADir(t *testing.T) {
+	for _, paths := range [][]string{
+		{"a", "a/b"},
+		{"a", "a-x", "a/b"},
+		{"a", "a b", "a.img", "a/b/c"},
+		{"fs", "fs-1/x", "fs.d", "fs/sub/deep/file"},
+		{"x/a", "x/a-x", "x/a/b"},
+	} {
+		t.Run(strings.Join(paths, ","), func(t *testing.T) {
+			data := indexOf(paths)
+			_, err := ParseIndex(ocispec.Descriptor{MediaType: ocispec.MediaTypeImageIndex, Digest: digest.FromBytes(data), Size: int64(len(data))}, data)
+			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "is a file and also a directory") {
+				t.Fatalf("got %v, want ErrInvalid for a file that is a directory", err)
+			}
+		})
+	}
+	data := indexOf([]string{"a", "a-x", "a.d/b", "ab/c"})
+	if _, err := ParseIndex(ocispec.Descriptor{MediaType: ocispec.MediaTypeImageIndex, Digest: digest.FromBytes(data), Size: int64(len(data))}, data); err != nil {
+		t.Fatalf("paths that only share a prefix: %v", err)
+	}
+}
+
+// indexOf returns a snapshot index of one-byte files at paths (sorted).
+func indexOf(paths []string) []byte {
+	idx := ocispec.Index{Versioned: specsVersioned, MediaType: ocispec.MediaTypeImageIndex, ArtifactType: ArtifactTypeSnapshot}
+	d := digest.FromString("x")
+	for _, p := range paths {
+		idx.Manifests = append(idx.Manifests, ocispec.Descriptor{
+			MediaType: ocispec.MediaTypeImageManifest, ArtifactType: ArtifactTypeFile, Digest: d, Size: 100,
+			Annotations: map[string]string{
+				AnnotationFilePath: p, AnnotationFileSize: "1", AnnotationFileMode: "0644", AnnotationFileDigest: d.String(),
+				AnnotationPartOffset: "0", AnnotationPartLength: "1",
+			},
+		})
+	}
+	data, _ := json.Marshal(idx)
+	return data
 }
 
 func TestParseTableRefusesBadTables(t *testing.T) {

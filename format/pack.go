@@ -184,7 +184,7 @@ func listFiles(dir string) ([]fileEntry, error) {
 		return nil, fmt.Errorf("image dir: %w", err)
 	}
 	if !st.IsDir() {
-		return nil, fmt.Errorf("image dir %s is not a directory", dir)
+		return nil, fmt.Errorf("image dir %s: %w", dir, syscall.ENOTDIR)
 	}
 	var files []fileEntry
 	err = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
@@ -222,7 +222,7 @@ func listFiles(dir string) ([]fileEntry, error) {
 		return nil, err
 	}
 	if len(files) == 0 {
-		return nil, fmt.Errorf("image dir %s holds no files", dir)
+		return nil, fmt.Errorf("image dir %s holds no files: %w", dir, ErrInvalid)
 	}
 	if len(files) > MaxFiles {
 		return nil, fmt.Errorf("image dir %s holds %d files: %w (limit %d)", dir, len(files), ErrTooLarge, MaxFiles)

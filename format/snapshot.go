@@ -9,7 +9,6 @@ import (
 	"io/fs"
 	"sort"
 	"strconv"
-	"strings"
 
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -155,15 +154,28 @@ func ParseIndex(desc ocispec.Descriptor, data []byte) (*Snapshot, error) {
 	if err := checkComplete(&s.Files[len(s.Files)-1]); err != nil {
 		return nil, bad("%v", err)
 	}
-	// A path may not be both a file and a directory ("a" and "a/b").
-	for i := 1; i < len(s.Files); i++ {
-		for j := i - 1; j >= 0 && strings.HasPrefix(s.Files[i].Path, s.Files[j].Path); j-- {
-			if strings.HasPrefix(s.Files[i].Path, s.Files[j].Path+"/") {
-				return nil, bad("%q is a file and also a directory holding %q", s.Files[j].Path, s.Files[i].Path)
+	if err := checkNoFileIsADir(s.Files); err != nil {
+		return nil, bad("%v", err)
+	}
+	return s, nil
+}
+
+// checkNoFileIsADir refuses a path that is both a file and a directory
+// ("a" and "a/b"). Sorting does not put the two side by side ("a-x" sorts
+// between them), so every parent directory of every path is looked up.
+func checkNoFileIsADir(files []File) error {
+	paths := make(map[string]bool, len(files))
+	for _, f := range files {
+		paths[f.Path] = true
+	}
+	for _, f := range files {
+		for i := 0; i < len(f.Path); i++ {
+			if f.Path[i] == '/' && paths[f.Path[:i]] {
+				return fmt.Errorf("%q is a file and also a directory holding %q", f.Path[:i], f.Path)
 			}
 		}
 	}
-	return s, nil
+	return nil
 }
 
 func checkComplete(f *File) error {

@@ -55,8 +55,13 @@ func PartialDir(dir string) string {
 // are written into PartialDir(dir) and moved into place by one rename only
 // when all of them verified, so dir never holds a partial or corrupt
 // snapshot. If an earlier Unpack into dir was interrupted, the chunks it
-// left on disk are verified and kept instead of being fetched again. Zero
-// chunks are left as holes (sparse files).
+// left on disk are verified and kept instead of being fetched again, if
+// that partial dir is safe to reuse: it and everything in it belong to the
+// current user, no dir in it is writable by group or others, and it holds
+// no symlink or special file; otherwise Unpack fails with ErrUnsafePartial.
+// Every file and dir is fsynced before the rename and the parent after it,
+// so after a crash dir is absent or complete. Zero chunks are left as holes
+// (sparse files).
 func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, dir string, opts UnpackOptions) (*Snapshot, *UnpackStats, error) {
 	snap, err := LoadSnapshot(ctx, src, desc)
 	if err != nil {
@@ -90,32 +95,100 @@ func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, d
 }
 
 // openPartial creates or reopens PartialDir(dir), after checking that dir
-// can be replaced, and locks it against a concurrent unpack into dir.
+// can be replaced, and locks it against a concurrent unpack into dir. A
+// partial dir left by an earlier run is reused only if it is safe to write
+// into (checkPartial).
 func openPartial(dir string) (string, func(), error) {
 	if err := checkTarget(dir); err != nil {
 		return "", nil, err
 	}
 	partial := PartialDir(dir)
-	if err := os.MkdirAll(partial, 0o700); err != nil {
+	if err := os.MkdirAll(filepath.Dir(partial), 0o700); err != nil {
 		return "", nil, fmt.Errorf("unpack into %s: %w", dir, err)
 	}
-	lock, err := os.Open(partial)
+	if err := os.Mkdir(partial, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return "", nil, fmt.Errorf("unpack into %s: %w", dir, err)
+	}
+	// O_NOFOLLOW: a symlink planted at the partial dir's name is not
+	// followed; the checks below are on the dir actually opened.
+	fd, err := syscall.Open(partial, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
+		return "", nil, fmt.Errorf("unpack into %s: %s is not a directory (a symlink?): %w", dir, partial, ErrUnsafePartial)
+	}
 	if err != nil {
-		return "", nil, fmt.Errorf("unpack into %s: %w", dir, err)
+		return "", nil, fmt.Errorf("unpack into %s: open %s: %w", dir, partial, err)
 	}
+	lock := os.NewFile(uintptr(fd), partial)
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		lock.Close()
 		return "", nil, fmt.Errorf("unpack into %s: another unpack holds %s: %w", dir, partial, err)
 	}
+	if err := checkPartial(lock, partial); err != nil {
+		lock.Close()
+		return "", nil, fmt.Errorf("unpack into %s: %w", dir, err)
+	}
 	return partial, func() { lock.Close() }, nil
 }
 
-// commitPartial removes files of partial that are not in keep (left by an
-// interrupted unpack of another snapshot), syncs it and renames it to dir.
-func commitPartial(partial, dir string, keep map[string]bool) error {
-	err := filepath.WalkDir(partial, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
+// ErrUnsafePartial marks a partial dir that Unpack will not reuse.
+var ErrUnsafePartial = errors.New("unsafe partial unpack dir: remove it to unpack")
+
+// checkPartial refuses to reuse a partial dir that someone else could have
+// planted or can still change: the dir (already open as d) and every dir
+// inside it must belong to the current user and not be writable by group
+// or others, and it may hold only such dirs and regular files of the
+// current user (no symlink that would redirect a write out of it).
+func checkPartial(d *os.File, partial string) error {
+	uid := uint32(os.Getuid())
+	check := func(name string, info fs.FileInfo) error {
+		st, ok := info.Sys().(*syscall.Stat_t)
+		switch {
+		case !ok:
+			return fmt.Errorf("%s: no owner information: %w", name, ErrUnsafePartial)
+		case info.Mode()&fs.ModeSymlink != 0:
+			return fmt.Errorf("%s is a symlink: %w", name, ErrUnsafePartial)
+		case !info.IsDir() && !info.Mode().IsRegular():
+			return fmt.Errorf("%s is a %s, not a regular file or directory: %w", name, info.Mode().Type(), ErrUnsafePartial)
+		case st.Uid != uid:
+			return fmt.Errorf("%s belongs to uid %d, not to this user (uid %d): %w", name, st.Uid, uid, ErrUnsafePartial)
+		case info.IsDir() && info.Mode().Perm()&0o022 != 0:
+			return fmt.Errorf("%s has mode %04o, writable by group or others: %w", name, info.Mode().Perm(), ErrUnsafePartial)
+		}
+		return nil
+	}
+	info, err := d.Stat()
+	if err != nil {
+		return err
+	}
+	if err := check(partial, info); err != nil {
+		return err
+	}
+	// WalkDir does not follow symlinks; it reports them as entries.
+	return filepath.WalkDir(partial, func(p string, e fs.DirEntry, err error) error {
+		if err != nil || p == partial {
 			return err
+		}
+		info, err := e.Info()
+		if err != nil {
+			return err
+		}
+		return check(p, info)
+	})
+}
+
+// commitPartial removes files of partial that are not in keep (left by an
+// interrupted unpack of another snapshot), syncs every dir in it (the
+// files were synced when written) and renames it to dir, then syncs dir's
+// parent: after a crash, dir is either absent or complete.
+func commitPartial(partial, dir string, keep map[string]bool) error {
+	var dirs []string
+	err := filepath.WalkDir(partial, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			dirs = append(dirs, p)
+			return nil
 		}
 		rel, _ := filepath.Rel(partial, p)
 		if !keep[rel] {
@@ -129,8 +202,11 @@ func commitPartial(partial, dir string, keep map[string]bool) error {
 	if err := os.Chmod(partial, 0o755); err != nil {
 		return err
 	}
-	if err := syncDir(partial); err != nil {
-		return err
+	// Children first, the partial dir itself last.
+	for i := len(dirs) - 1; i >= 0; i-- {
+		if err := syncDir(dirs[i]); err != nil {
+			return err
+		}
 	}
 	if err := checkTarget(dir); err != nil {
 		return err
@@ -336,9 +412,13 @@ func fetchLayerFile(ctx context.Context, src content.Fetcher, l ocispec.Descript
 	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
 		return 0, err
 	}
-	if f, err := os.Open(name); err == nil {
+	if f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW, 0); err == nil {
 		info, _ := f.Stat()
-		ok := info.Size() == l.Size && digestOf(f, l.Digest.Algorithm()) == l.Digest
+		ok := info.Mode().IsRegular() && info.Size() == l.Size && digestOf(f, l.Digest.Algorithm()) == l.Digest
+		if ok {
+			// An interrupted run may have written it without syncing.
+			ok = f.Sync() == nil
+		}
 		f.Close()
 		if ok {
 			if onBytes != nil {

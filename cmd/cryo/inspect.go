@@ -3,7 +3,11 @@ package main
 import (
 	"fmt"
 	"sort"
+	"strconv"
+	"strings"
 	"text/tabwriter"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/spf13/cobra"
@@ -41,7 +45,7 @@ if one exists at that path, else a registry reference (host/repo:tag).`,
 			}
 			sort.Strings(keys)
 			for _, k := range keys {
-				fmt.Fprintf(w, "  %s: %s\n", k, sum.Annotations[k])
+				fmt.Fprintf(w, "  %s: %s\n", printable(k), printable(sum.Annotations[k]))
 			}
 			c := sum.Chunks
 			fmt.Fprintf(w, "files     %d, %s logical\n", len(sum.Files), humanBytes(sum.LogicalBytes))
@@ -51,7 +55,7 @@ if one exists at that path, else a registry reference (host/repo:tag).`,
 			tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "PATH\tSIZE\tMODE\tPARTS\tCHUNKS\tZERO\tRAW\tZSTD\tSTORED")
 			for _, f := range sum.Files {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\n", f.Path, humanBytes(f.Size), f.Mode, f.Parts,
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\n", printable(f.Path), humanBytes(f.Size), f.Mode, f.Parts,
 					f.Chunks.Total(), f.Chunks.Zero, f.Chunks.Raw, f.Chunks.Zstd, humanBytes(f.StoredBytes))
 			}
 			return tw.Flush()
@@ -60,4 +64,17 @@ if one exists at that path, else a registry reference (host/repo:tag).`,
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the summary as JSON")
 	ro.register(cmd)
 	return cmd
+}
+
+// printable returns s as is if it is valid UTF-8 made of printable
+// characters, else quoted with Go escapes (strconv.Quote). Paths and
+// annotations come from whoever pushed the snapshot: printed raw, a control
+// character could rewrite the terminal or a newline forge a line of output.
+// A string that starts with a quote is quoted too, so that a quoted
+// string always means an escaped one.
+func printable(s string) string {
+	if utf8.ValidString(s) && !strings.HasPrefix(s, `"`) && strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) < 0 {
+		return s
+	}
+	return strconv.Quote(s)
 }

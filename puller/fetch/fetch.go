@@ -7,6 +7,13 @@
 // verified before it is stored or served, and retried with backoff until a
 // deadline: gVisor kills a sandbox on a read error, so a read must wait
 // rather than fail fast.
+//
+// Mounts are isolated from each other: a fetch in flight is shared only
+// between requests for the same chunk stored the same way (chunk digest,
+// blob digest, encoding, sizes: a key), and only its success is shared. A
+// mount whose chunk table lies about a chunk (names it in a junk blob, or
+// with a wrong size), whose endpoints serve junk, or that is unmounted
+// cannot make another mount's read of that chunk fail or wait on it.
 package fetch
 
 import (
@@ -52,7 +59,8 @@ type Options struct {
 	// KeepLog records every fetch in order, for tests (Log).
 	KeepLog bool
 	// InFlight, shared by the schedulers of every mount on a node, makes a
-	// chunk that two mounts need at the same moment one fetch. Optional.
+	// chunk that two mounts need at the same moment one fetch, if both ask
+	// for it stored the same way (see the package doc). Optional.
 	InFlight *singleflight.Group
 }
 
@@ -83,6 +91,24 @@ type LogEntry struct {
 // Demand reports whether the fetch was for a read (Demand or Urgent).
 func (e LogEntry) Demand() bool { return e.Priority > Prefetch }
 
+// key identifies a fetch: a chunk and exactly how a table says it is
+// stored. Two table entries for one chunk digest that disagree on the rest
+// are different fetches: at most one of them is true.
+type key struct {
+	digest, blob   digest.Digest
+	encoding       format.Encoding
+	size, blobSize int64
+}
+
+func keyOf(c format.Chunk) key {
+	return key{digest: c.Digest, blob: c.Blob, encoding: c.Encoding, size: c.Size, blobSize: c.BlobSize}
+}
+
+// String is the key in the node-wide InFlight group.
+func (k key) String() string {
+	return fmt.Sprintf("%s %s %s %d %d", k.digest, k.blob, k.encoding, k.size, k.blobSize)
+}
+
 // Scheduler fetches chunks into a node cache.
 type Scheduler struct {
 	endpoints []Endpoint
@@ -90,13 +116,17 @@ type Scheduler struct {
 	codec     *format.Codec
 	opts      Options
 
+	// ctx is canceled by Close: it stops fetches and their retries.
+	ctx    context.Context
+	cancel context.CancelFunc
+
 	mu   sync.Mutex
 	cond *sync.Cond
 	// queues holds the calls waiting at each priority; active counts the
 	// calls in flight at each.
 	queues [numPriorities][]*call
 	active [numPriorities]int
-	calls  map[digest.Digest]*call
+	calls  map[key]*call
 	closed bool
 	log    []LogEntry
 
@@ -130,7 +160,8 @@ func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[digest.Digest]*call{}}
+	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.cond = sync.NewCond(&s.mu)
 	for range opts.Workers {
 		s.wg.Add(1)
@@ -139,16 +170,21 @@ func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options
 	return s
 }
 
-// Close stops the workers; queued fetches fail with ErrClosed.
+// Close stops the workers and cancels the fetches in flight, retries
+// included: queued and running fetches fail with ErrClosed, and so do the
+// reads waiting for them. It returns once the workers have stopped, without
+// waiting for a fetch deadline. A fetch that another mount's scheduler runs
+// and this one waits for goes on for that mount.
 func (s *Scheduler) Close() {
 	s.mu.Lock()
 	s.closed = true
+	s.cancel()
 	for i, q := range s.queues {
 		for _, c := range q {
-			if !c.started && s.calls[c.chunk.Digest] == c {
+			if k := keyOf(c.chunk); !c.started && s.calls[k] == c {
 				c.err = ErrClosed
 				close(c.done)
-				delete(s.calls, c.chunk.Digest)
+				delete(s.calls, k)
 			}
 		}
 		s.queues[i] = nil
@@ -165,39 +201,63 @@ func (s *Scheduler) Log() []LogEntry {
 	return append([]LogEntry(nil), s.log...)
 }
 
-// Get returns chunk c's verified bytes, from the cache or fetched now at
-// priority prio (Demand or Urgent), ahead of every prefetch. Zero chunks
-// need no fetch. The bytes are in buf when they come from the cache;
-// bytes just fetched are shared with other readers of the chunk and must
-// not be modified.
+// Get returns chunk c's verified bytes, exactly c.Size of them, from the
+// cache or fetched now at priority prio (Demand or Urgent), ahead of every
+// prefetch. Zero chunks need no fetch. The bytes are in buf when they come
+// from the cache; bytes just fetched are shared with other readers of the
+// chunk and must not be modified.
 func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Priority) ([]byte, error) {
 	if c.Encoding == format.EncodingZero {
 		return s.codec.Decode(c, nil, buf)
 	}
 	if data, err := s.cache.Get(c.Digest, buf, false); err == nil {
 		s.opts.Metrics.cacheHit()
-		return data, nil
+		return checkSize(c, data)
 	}
 	s.opts.Metrics.cacheMiss()
 	start := time.Now()
-	cl, err := s.enqueue(c, max(prio, Demand))
-	if err != nil {
-		return nil, err
+	// A chunk fetched into the cache by a prefetch or by another mount
+	// could be evicted (or dropped as damaged) before it is read back:
+	// then it is fetched again, a few times, rather than failing the read.
+	for attempt := 1; ; attempt++ {
+		cl, err := s.enqueue(c, max(prio, Demand))
+		if err != nil {
+			return nil, err
+		}
+		select {
+		case <-cl.done:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		if cl.err != nil {
+			return nil, cl.err
+		}
+		if cl.data != nil {
+			s.opts.Metrics.demandLatency(time.Since(start))
+			return cl.data, nil
+		}
+		// Fetched by a prefetch that finished first, or by another mount:
+		// it is in the cache.
+		data, err := s.cache.Get(c.Digest, buf, false)
+		if err == nil {
+			s.opts.Metrics.demandLatency(time.Since(start))
+			return checkSize(c, data)
+		}
+		if !errors.Is(err, cache.ErrNotFound) || attempt == 3 {
+			return nil, fmt.Errorf("chunk %s: read back from the node cache: %w", c.Digest, err)
+		}
 	}
-	select {
-	case <-cl.done:
-	case <-ctx.Done():
-		return nil, ctx.Err()
+}
+
+// checkSize refuses cached bytes of a chunk whose table entry gives it
+// another size: bytes that hash to the digest have one length, so the
+// entry lies, and its reader gets an error rather than a short or long
+// chunk.
+func checkSize(c format.Chunk, data []byte) ([]byte, error) {
+	if int64(len(data)) != c.Size {
+		return nil, fmt.Errorf("chunk %s: table says %d bytes, the chunk has %d: %w", c.Digest, c.Size, len(data), format.ErrDigestMismatch)
 	}
-	s.opts.Metrics.demandLatency(time.Since(start))
-	if cl.err != nil {
-		return nil, cl.err
-	}
-	if cl.data != nil {
-		return cl.data, nil
-	}
-	// Fetched by a prefetch that finished first: it is in the cache.
-	return s.cache.Get(c.Digest, buf, false)
+	return data, nil
 }
 
 // Prefetch queues chunks for background fetching, in the order given,
@@ -240,7 +300,8 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	if s.closed {
 		return nil, ErrClosed
 	}
-	if cl, ok := s.calls[c.Digest]; ok {
+	k := keyOf(c)
+	if cl, ok := s.calls[k]; ok {
 		if prio > cl.prio && !cl.started {
 			// Promote a queued call; its entry in the lower queue is
 			// skipped when met.
@@ -251,7 +312,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		return cl, nil
 	}
 	cl := &call{chunk: c, prio: prio, done: make(chan struct{})}
-	s.calls[c.Digest] = cl
+	s.calls[k] = cl
 	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
 	return cl, nil
@@ -327,7 +388,7 @@ func (s *Scheduler) worker() {
 			cl.data = append([]byte(nil), data...)
 		}
 		cl.err = err
-		delete(s.calls, cl.chunk.Digest)
+		delete(s.calls, keyOf(cl.chunk))
 		close(cl.done)
 		s.active[cl.prio]--
 		s.cond.Broadcast() // lower priorities may run now
@@ -340,27 +401,48 @@ func (s *Scheduler) worker() {
 
 // fetchOnce fetches a chunk into the cache unless another mount's
 // scheduler on the node has (then waiters read it from the cache, and it
-// returns no bytes) or is fetching it (then it waits for that fetch).
+// returns no bytes) or is fetching it stored the same way (then it waits
+// for that fetch). Only another mount's success is taken: if that fetch
+// fails (its endpoints, or its mount was closed), this one fetches from
+// its own endpoints.
 func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte) ([]byte, error) {
-	fetch := func() ([]byte, error) {
-		if s.cache.Has(c.Digest) {
-			return nil, nil
-		}
-		data, err := s.fetch(c, buf)
-		if err == nil {
-			err = s.cache.PutVerified(c.Digest, data)
-		}
-		return data, err
-	}
 	if s.opts.InFlight == nil {
-		return fetch()
+		return s.fetchAndStore(c, buf)
 	}
-	v, err, shared := s.opts.InFlight.Do(c.Digest.String(), func() (any, error) { return fetch() })
-	if shared {
-		// The bytes are another worker's buffer: read them from the cache.
-		return nil, err
+	ran := false
+	ch := s.opts.InFlight.DoChan(keyOf(c).String(), func() (any, error) {
+		ran = true
+		return s.fetchAndStore(c, buf)
+	})
+	select {
+	case res := <-ch:
+		if ran {
+			data, _ := res.Val.([]byte)
+			return data, res.Err
+		}
+		if res.Err == nil {
+			return nil, nil // in the cache
+		}
+		s.opts.Logger.Info("fetch chunk: another mount's fetch failed; fetching from this mount's endpoints", "chunk", c.Digest, "err", res.Err)
+		return s.fetchAndStore(c, buf)
+	case <-s.ctx.Done():
+		// Closed while waiting. If the fetch is this scheduler's own, it
+		// stops too (its context is canceled) and whoever waits for it
+		// fetches for themselves.
+		return nil, ErrClosed
 	}
-	data, _ := v.([]byte)
+}
+
+// fetchAndStore fetches a chunk and stores it in the cache, unless the
+// cache has it already (then it returns no bytes).
+func (s *Scheduler) fetchAndStore(c format.Chunk, buf []byte) ([]byte, error) {
+	if s.cache.Has(c.Digest) {
+		return nil, nil
+	}
+	data, err := s.fetch(c, buf)
+	if err == nil {
+		err = s.cache.PutVerified(c.Digest, data)
+	}
 	return data, err
 }
 
@@ -368,10 +450,10 @@ func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte) ([]byte, error) {
 // and again with backoff, until the deadline. If every endpoint served bad
 // data in one round, it gives up at once: that will not get better.
 func (s *Scheduler) fetch(c format.Chunk, buf []byte) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.opts.Deadline)
+	ctx, cancel := context.WithTimeout(s.ctx, s.opts.Deadline)
 	defer cancel()
 	backoff := s.opts.Backoff
-	var errs []string
+	var errs endpointErrors
 	for attempt := 1; ; attempt++ {
 		corrupt := 0
 		errs = errs[:0]
@@ -391,27 +473,56 @@ func (s *Scheduler) fetch(c format.Chunk, buf []byte) ([]byte, error) {
 				}
 				return data, nil
 			}
-			if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) {
+			if s.ctx.Err() != nil {
+				return nil, fmt.Errorf("chunk %s: %w", c.Digest, ErrClosed)
+			}
+			if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) || errors.Is(err, format.ErrInvalid) {
 				corrupt++
 				s.opts.Metrics.verifyFailed(ep.Name)
 			}
-			errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
+			errs = append(errs, fmt.Errorf("%s: %w", ep.Name, err))
 			s.opts.Logger.Warn("fetch chunk", "chunk", c.Digest, "endpoint", ep.Name, "attempt", attempt, "err", err)
 		}
 		if corrupt == len(s.endpoints) {
-			return nil, fmt.Errorf("chunk %s (blob %s) failed verification from every endpoint: %s", c.Digest, c.Blob, strings.Join(errs, "; "))
+			return nil, fmt.Errorf("chunk %s (blob %s) failed verification from every endpoint: %w", c.Digest, c.Blob, errs)
 		}
 		wait := backoff/2 + rand.N(backoff)
 		select {
 		case <-time.After(wait):
 		case <-ctx.Done():
-			return nil, fmt.Errorf("chunk %s (blob %s) not fetched within %s after %d rounds: %s", c.Digest, c.Blob, s.opts.Deadline, attempt, strings.Join(errs, "; "))
+			if s.ctx.Err() != nil {
+				return nil, fmt.Errorf("chunk %s: %w", c.Digest, ErrClosed)
+			}
+			return nil, fmt.Errorf("chunk %s (blob %s) not fetched within %s after %d rounds: %w", c.Digest, c.Blob, s.opts.Deadline, attempt, errs)
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
 }
 
+// endpointErrors are the errors of one round of a fetch, one per endpoint
+// (each prefixed with its name); errors.Is sees each of them.
+type endpointErrors []error
+
+func (e endpointErrors) Error() string {
+	msgs := make([]string, len(e))
+	for i, err := range e {
+		msgs[i] = err.Error()
+	}
+	return strings.Join(msgs, "; ")
+}
+
+func (e endpointErrors) Unwrap() []error { return e }
+
+// fetchFrom fetches chunk c's blob from ep and decodes and verifies it. The
+// blob's size is checked against the largest chunk before anything is
+// allocated: a table's sizes are the word of whoever pushed it.
 func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, c format.Chunk, buf []byte) ([]byte, error) {
+	if c.Size <= 0 || c.BlobSize <= 0 {
+		return nil, fmt.Errorf("chunk %s: size %d, blob %s of %d bytes: %w", c.Digest, c.Size, c.Blob, c.BlobSize, format.ErrInvalid)
+	}
+	if c.Size > format.MaxChunkSize || c.BlobSize > format.MaxChunkSize {
+		return nil, fmt.Errorf("chunk %s: size %d, blob %s of %d bytes: %w (limit %d)", c.Digest, c.Size, c.Blob, c.BlobSize, format.ErrTooLarge, format.MaxChunkSize)
+	}
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	desc := c.BlobDescriptor()
