@@ -64,13 +64,15 @@ func CleanStaleMounts(dir string) (int, error) {
 }
 
 // deadMount reports whether the FUSE mount at point has lost its server:
-// stat answers ENOTCONN at once. A live mount (another puller's, sharing
-// the dir) answers, or takes longer than a second, and is left alone.
+// a stat that must ask the server (AT_STATX_FORCE_SYNC: the root's
+// attributes may be cached for an hour) answers ENOTCONN at once. A live
+// mount (another puller's, sharing the dir) answers, or takes longer than
+// a second, and is left alone.
 func deadMount(point string) bool {
 	res := make(chan error, 1)
 	go func() {
-		var st unix.Stat_t
-		res <- unix.Stat(point, &st)
+		var st unix.Statx_t
+		res <- unix.Statx(unix.AT_FDCWD, point, unix.AT_STATX_FORCE_SYNC, unix.STATX_BASIC_STATS, &st)
 	}()
 	select {
 	case err := <-res:

@@ -6,6 +6,11 @@
 // out once as a plain image dir ("materialized"), and later mounts of the
 // same snapshot use that dir with no FUSE in the path. Without FUSE it falls
 // back to an eager, verified pull into such a dir.
+//
+// Snapshot memory is the node's secret: the FUSE mount serves only the
+// puller's uid (default_permissions, files 0400, dirs 0500), and the mount
+// points it creates, the node cache and the materialized dirs are 0700
+// (files 0600 or 0400).
 package puller
 
 import (
@@ -31,6 +36,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/singleflight"
+	"golang.org/x/sys/unix"
 	"oras.land/oras-go/v2/content"
 )
 
@@ -48,6 +54,10 @@ type Options struct {
 	// SmallFileLimit: files other than pages.img up to this size are held
 	// in memory, fetched before the mount is ready (default 64 MiB).
 	SmallFileLimit int64
+	// SmallFilesCap bounds the bytes one mount holds in memory for small
+	// files (default 256 MiB); files beyond it are served lazily, like
+	// pages.img, so no snapshot can make the puller hold more.
+	SmallFilesCap int64
 	// Logger receives structured logs. Default: slog.Default().
 	Logger *slog.Logger
 	// FetchMetrics, if set, receives fetch metrics.
@@ -76,6 +86,9 @@ func New(opts Options) (*Puller, error) {
 	}
 	if opts.SmallFileLimit <= 0 {
 		opts.SmallFileLimit = 64 << 20
+	}
+	if opts.SmallFilesCap <= 0 {
+		opts.SmallFilesCap = 256 << 20
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -123,9 +136,18 @@ func FUSEAvailable() bool {
 }
 
 // MaterializedDir is where the plain image dir of snapshot d lives once
-// every chunk of it is local.
+// every chunk of it is local. It may be missing or incomplete: use
+// Materialized to get a dir that is safe to restore from.
 func (p *Puller) MaterializedDir(d digest.Digest) string {
-	return filepath.Join(p.opts.CacheDir, "images", d.Encoded())
+	return p.cache.ImagePath(d)
+}
+
+// Materialized returns snapshot d's materialized image dir if the node
+// cache holds it complete (its completion marker is there), and marks it
+// used. A caller that restores from it while the puller may evict it (a
+// long-lived daemon) should use Mount, which pins it.
+func (p *Puller) Materialized(d digest.Digest) (string, bool) {
+	return p.cache.Image(d)
 }
 
 // Progress describes a mount.
@@ -158,8 +180,10 @@ type Mount struct {
 	server  *fuse.Server
 	sched   *fetch.Scheduler
 	fsStats imagefs.Stats
-	pinned  []digest.Digest
-	files   []imagefs.File
+	// pinned are the chunks the mount pins in the node cache; it pins its
+	// snapshot's materialized dir too.
+	pinned []digest.Digest
+	files  []imagefs.File
 
 	total   int64
 	local   atomic.Int64
@@ -169,6 +193,11 @@ type Mount struct {
 	localAt time.Duration
 	err     error
 	cancel  context.CancelFunc
+
+	// closeOnce and unmountOnce make close and Unmount run once however
+	// many callers (two concurrent DELETEs of a mount in the daemon).
+	closeOnce, unmountOnce sync.Once
+	unmountErr             error
 }
 
 // Mount makes the snapshot available at dir and returns when dir is a
@@ -178,7 +207,7 @@ type Mount struct {
 // from the node cache instead (no FUSE); without FUSE, Mount pulls eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
 	m := &Mount{p: p, src: src, dir: dir, start: time.Now(), loaded: make(chan struct{})}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
 	snap, err := format.LoadSnapshot(ctx, firstFetcher(src.Endpoints), src.Index)
@@ -187,8 +216,14 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	}
 	m.snap = snap
 	m.total = snap.LogicalSize()
-	if _, err := os.Stat(p.MaterializedDir(src.Index.Digest)); err == nil {
-		if err := bindMount(p.MaterializedDir(src.Index.Digest), dir); err != nil {
+	// Pin first, then look: an image dir found is not evicted under the
+	// bind mount. A mount that loads the snapshot keeps the pin for the
+	// dir it writes: evicting that before the chunks it was written from
+	// would waste the write.
+	p.cache.PinImage(src.Index.Digest)
+	if img, ok := p.Materialized(src.Index.Digest); ok {
+		if err := bindMount(img, dir); err != nil {
+			m.close()
 			return nil, err
 		}
 		m.mode = "materialized"
@@ -212,7 +247,12 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 			m.close()
 			return nil, err
 		}
-		if err := bindMount(p.MaterializedDir(src.Index.Digest), dir); err != nil {
+		img, ok := p.Materialized(src.Index.Digest)
+		if !ok {
+			m.close()
+			return nil, fmt.Errorf("snapshot %s: materialized dir missing after the pull", src.Index.Digest)
+		}
+		if err := bindMount(img, dir); err != nil {
 			m.close()
 			return nil, err
 		}
@@ -278,12 +318,17 @@ func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]image
 		}
 	}
 	m.p.cache.Pin(m.pinned)
+	// budget bounds what the mount holds in memory: small files past it
+	// are served lazily, so a snapshot of many large "small" files (or of
+	// gigabytes of zeros) cannot exhaust the puller's memory.
+	budget := m.p.opts.SmallFilesCap
 	for i := range files {
 		f := &files[i]
-		if f.Path == format.PagesFile || f.Size > m.p.opts.SmallFileLimit {
+		if f.Path == format.PagesFile || f.Size > m.p.opts.SmallFileLimit || f.Size > budget {
 			lazy = append(lazy, f)
 			continue
 		}
+		budget -= f.Size
 		data := make([]byte, 0, f.Size)
 		for _, c := range f.Chunks {
 			b, err := m.sched.Get(ctx, c, nil, fetch.Urgent)
@@ -324,7 +369,7 @@ func (m *Mount) loadAll(ctx context.Context, lazy []*imagefs.File) error {
 	m.mu.Lock()
 	m.localAt = time.Since(m.start)
 	m.mu.Unlock()
-	err := m.materialize()
+	err := m.materialize(ctx)
 	m.finish(err)
 	return err
 }
@@ -363,77 +408,102 @@ func prefetchOrder(lazy []*imagefs.File, list []Range) []format.Chunk {
 }
 
 // materialize writes the snapshot as a plain image dir from the node cache,
-// verifying every file's sha256, into a temporary dir renamed into place;
-// once however many mounts of the snapshot finish loading at the same time.
-func (m *Mount) materialize() error {
-	_, err, _ := m.p.materializing.Do(m.src.Index.Digest.String(), func() (any, error) { return nil, m.writeMaterialized() })
-	return err
+// verifying every file's sha256, into a temporary dir committed into place
+// with its completion marker; once however many mounts of the snapshot
+// finish loading at the same time.
+func (m *Mount) materialize(ctx context.Context) error {
+	for {
+		_, err, _ := m.p.materializing.Do(m.src.Index.Digest.String(), func() (any, error) { return nil, m.writeMaterialized(ctx) })
+		// The write joined was another mount's, which was unmounted: write
+		// it again, for this one.
+		if err != nil && ctx.Err() == nil && (errors.Is(err, context.Canceled) || errors.Is(err, fetch.ErrClosed)) {
+			continue
+		}
+		return err
+	}
 }
 
-func (m *Mount) writeMaterialized() error {
-	final := m.p.MaterializedDir(m.src.Index.Digest)
-	if _, err := os.Stat(final); err == nil {
+// writeMaterialized writes the image dir: every file flushed (fdatasync)
+// before the cache flushes the dirs, writes the marker and renames it into
+// place. Files are 0600 and dirs 0700 whatever modes the snapshot records:
+// the image is the puller's alone.
+func (m *Mount) writeMaterialized(ctx context.Context) error {
+	d := m.src.Index.Digest
+	if _, ok := m.p.Materialized(d); ok {
 		return nil
 	}
 	// Unique per writer: a dir named after the process would be shared by
 	// two mounts of the snapshot in one daemon.
-	if err := os.MkdirAll(filepath.Dir(final), 0o755); err != nil {
-		return fmt.Errorf("materialize: %w", err)
-	}
-	tmp, err := os.MkdirTemp(filepath.Dir(final), filepath.Base(final)+".tmp-*")
+	tmp, err := m.p.cache.NewImageDir(d)
 	if err != nil {
-		return fmt.Errorf("materialize: %w", err)
+		return err
 	}
 	defer os.RemoveAll(tmp)
-	if err := os.Chmod(tmp, 0o755); err != nil {
-		return fmt.Errorf("materialize: %w", err)
-	}
+	var buf []byte
 	for i := range m.snap.Files {
-		f := &m.snap.Files[i]
-		name := filepath.Join(tmp, filepath.FromSlash(f.Path))
-		if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
-			return err
-		}
-		out, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-		if err != nil {
-			return err
-		}
-		h := sha256.New()
-		var buf []byte
-		for _, c := range m.files[i].Chunks {
-			if c.Encoding == format.EncodingZero {
-				buf, _ = m.p.codec.Decode(c, nil, buf)
-			} else if buf, err = m.p.cache.Get(c.Digest, buf, false); err != nil {
-				out.Close()
-				return fmt.Errorf("materialize %s: %w", f.Path, err)
-			}
-			h.Write(buf)
-			if c.Encoding != format.EncodingZero {
-				if _, err := out.WriteAt(buf, c.Offset); err != nil {
-					out.Close()
-					return err
-				}
-			}
-		}
-		if got := digest.NewDigestFromBytes(digest.SHA256, h.Sum(nil)); got != f.Digest {
-			out.Close()
-			return fmt.Errorf("materialize %s: hashes to %s, snapshot says %s: %w", f.Path, got, f.Digest, format.ErrDigestMismatch)
-		}
-		if err := out.Truncate(f.Size); err != nil {
-			out.Close()
-			return err
-		}
-		out.Chmod(f.Mode)
-		if err := out.Close(); err != nil {
-			return err
+		if buf, err = m.writeFile(ctx, tmp, i, buf); err != nil {
+			return fmt.Errorf("materialize %s: %w", m.snap.Files[i].Path, err)
 		}
 	}
-	if err := os.Rename(tmp, final); err != nil && !errors.Is(err, os.ErrExist) {
-		if _, serr := os.Stat(final); serr != nil {
-			return fmt.Errorf("materialize: %w", err)
+	return m.p.cache.CommitImage(d, tmp)
+}
+
+// writeFile writes file i of the snapshot under dir, verified and flushed.
+// A chunk the cache dropped as damaged is fetched again.
+func (m *Mount) writeFile(ctx context.Context, dir string, i int, buf []byte) ([]byte, error) {
+	f := &m.snap.Files[i]
+	name := filepath.Join(dir, filepath.FromSlash(f.Path))
+	if err := os.MkdirAll(filepath.Dir(name), 0o700); err != nil {
+		return buf, err
+	}
+	out, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return buf, err
+	}
+	defer out.Close()
+	h := sha256.New()
+	for _, c := range m.files[i].Chunks {
+		if err := ctx.Err(); err != nil {
+			return buf, err
+		}
+		if buf, err = m.chunk(ctx, c, buf); err != nil {
+			return buf, err
+		}
+		h.Write(buf)
+		if c.Encoding != format.EncodingZero {
+			if _, err := out.WriteAt(buf, c.Offset); err != nil {
+				return buf, err
+			}
 		}
 	}
-	return nil
+	if got := digest.NewDigestFromBytes(digest.SHA256, h.Sum(nil)); got != f.Digest {
+		return buf, fmt.Errorf("hashes to %s, snapshot says %s: %w", got, f.Digest, format.ErrDigestMismatch)
+	}
+	if err := out.Truncate(f.Size); err != nil {
+		return buf, err
+	}
+	if err := unix.Fdatasync(int(out.Fd())); err != nil {
+		return buf, fmt.Errorf("sync: %w", err)
+	}
+	return buf, out.Close()
+}
+
+// chunk returns chunk c's verified bytes in buf: from the node cache, or
+// fetched again if the cache held it damaged.
+func (m *Mount) chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
+	if c.Encoding == format.EncodingZero {
+		return m.p.codec.Decode(c, nil, buf)
+	}
+	data, err := m.p.cache.Get(c.Digest, buf, false)
+	if err == nil || !errors.Is(err, cache.ErrNotFound) {
+		return data, err
+	}
+	data, err = m.sched.Get(ctx, c, nil, fetch.Demand)
+	if err != nil {
+		return buf, err
+	}
+	// Fetched bytes may be shared with other readers: copy them out.
+	return append(buf[:0], data...), nil
 }
 
 func (m *Mount) finish(err error) {
@@ -501,25 +571,32 @@ func (m *Mount) Progress() Progress {
 // may hold the mount in its own mount namespace, and a plain unmount would
 // wait for it forever; the FUSE server's loops end when the last reference
 // goes.
+//
+// Unmount is idempotent and safe to call concurrently: the work is done
+// once, and every call returns its result.
 func (m *Mount) Unmount() error {
-	var err error
-	if m.mode != "" {
-		err = unmount(m.dir)
-	}
-	m.close()
-	return err
+	m.unmountOnce.Do(func() {
+		if m.mode != "" {
+			m.unmountErr = unmount(m.dir)
+		}
+		m.close()
+	})
+	return m.unmountErr
 }
 
+// close stops loading and releases the mount's pins, once.
 func (m *Mount) close() {
-	if m.cancel != nil {
-		m.cancel()
-	}
-	if m.sched != nil {
-		m.sched.Close()
-	}
-	m.p.cache.Unpin(m.pinned)
-	m.pinned = nil
-	m.finish(errors.New("unmounted"))
+	m.closeOnce.Do(func() {
+		if m.cancel != nil {
+			m.cancel()
+		}
+		if m.sched != nil {
+			m.sched.Close()
+		}
+		m.p.cache.Unpin(m.pinned)
+		m.p.cache.UnpinImage(m.src.Index.Digest)
+		m.finish(errors.New("unmounted"))
+	})
 }
 
 // firstFetcher reads manifests and tables from the first endpoint.

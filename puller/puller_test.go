@@ -31,7 +31,7 @@ func TestMain(m *testing.M) {
 }
 
 // needFUSE skips (or fails under CI=true) without root and /dev/fuse.
-func needFUSE(t *testing.T) {
+func needFUSE(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		testenv.SkipOrFatal(t, "FUSE mounts need root")
@@ -55,7 +55,7 @@ type reg struct {
 	corrupt  map[string]bool // blob digests served with a flipped byte
 }
 
-func startReg(t *testing.T) *reg {
+func startReg(t testing.TB) *reg {
 	t.Helper()
 	root := t.TempDir()
 	cfg, err := registry.DefaultConfig(root, "127.0.0.1:0")
@@ -114,7 +114,7 @@ func (r *reg) set(f func(r *reg)) {
 	f(r)
 }
 
-func (r *reg) repo(t *testing.T, name string) *remote.Repository {
+func (r *reg) repo(t testing.TB, name string) *remote.Repository {
 	t.Helper()
 	repo, _, err := transfer.Repository(r.host+"/"+name, transfer.ClientOptions{})
 	if err != nil {
@@ -124,7 +124,7 @@ func (r *reg) repo(t *testing.T, name string) *remote.Repository {
 }
 
 // push makes a synthetic image dir and pushes it as name:v1.
-func push(t *testing.T, r *reg, name string, kind synth.Kind, size int64, seed uint64) (string, Source) {
+func push(t testing.TB, r *reg, name string, kind synth.Kind, size int64, seed uint64) (string, Source) {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "img")
 	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
@@ -133,7 +133,7 @@ func push(t *testing.T, r *reg, name string, kind synth.Kind, size int64, seed u
 	return dir, pushDir(t, r, name, dir)
 }
 
-func pushDir(t *testing.T, r *reg, name, dir string) Source {
+func pushDir(t testing.TB, r *reg, name, dir string) Source {
 	t.Helper()
 	repo := r.repo(t, name+":v1")
 	res, err := transfer.Push(context.Background(), dir, repo, "v1", transfer.PushOptions{Pack: format.PackOptions{Chunking: smallChunks}})
@@ -151,7 +151,7 @@ func init() {
 	smallChunks.Min, smallChunks.Avg, smallChunks.Max = 64<<10, 256<<10, 1<<20
 }
 
-func newPuller(t *testing.T, opts Options) *Puller {
+func newPuller(t testing.TB, opts Options) *Puller {
 	t.Helper()
 	if opts.CacheDir == "" {
 		opts.CacheDir = t.TempDir()
@@ -166,7 +166,7 @@ func newPuller(t *testing.T, opts Options) *Puller {
 	return p
 }
 
-func mount(t *testing.T, p *Puller, src Source) *Mount {
+func mount(t testing.TB, p *Puller, src Source) *Mount {
 	t.Helper()
 	m, err := p.Mount(context.Background(), src, filepath.Join(t.TempDir(), "mnt"))
 	if err != nil {
@@ -176,7 +176,7 @@ func mount(t *testing.T, p *Puller, src Source) *Mount {
 	return m
 }
 
-func waitLoaded(t *testing.T, m *Mount) {
+func waitLoaded(t testing.TB, m *Mount) {
 	t.Helper()
 	select {
 	case <-m.Loaded():

@@ -1,6 +1,6 @@
-// Package atomicfile writes files that appear only when complete, for
-// content-addressed stores (layout blobs, the node cache) where a partial
-// file under a digest's name would be served as that content.
+// Package atomicfile writes files that appear only when complete and
+// durable, for content-addressed stores (layout blobs, the node cache) where
+// a partial file under a digest's name would be served as that content.
 package atomicfile
 
 import (
@@ -13,12 +13,16 @@ import (
 )
 
 // Write makes target (in directory dir) hold data with permissions perm,
-// appearing atomically. On Linux it writes an unnamed O_TMPFILE inode and
-// links it into place: one directory operation instead of a create and a
-// rename, which matters when thousands of chunks land in one directory, and
-// nothing to clean up after a crash. Where O_TMPFILE is not supported it
-// writes a temporary ".tmp-*" file and renames it. If target appears
-// meanwhile (the same content, written by someone else), Write succeeds.
+// appearing atomically and only once its bytes are on disk: the data is
+// flushed (fdatasync) before the file gets its name, and dir is flushed
+// (fsync) after, so after a crash target is either absent or whole.
+//
+// On Linux it writes an unnamed O_TMPFILE inode and links it into place: one
+// directory operation instead of a create and a rename, which matters when
+// thousands of chunks land in one directory, and nothing to clean up after a
+// crash. Where O_TMPFILE is not supported it writes a temporary ".tmp-*"
+// file and renames it. If target appears meanwhile (the same content,
+// written by someone else), Write succeeds.
 func Write(dir, target string, data []byte, perm os.FileMode) error {
 	fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_WRONLY|unix.O_CLOEXEC, uint32(perm))
 	if err == nil {
@@ -27,17 +31,26 @@ func Write(dir, target string, data []byte, perm os.FileMode) error {
 		if _, err := f.Write(data); err != nil {
 			return err
 		}
+		if err := unix.Fdatasync(fd); err != nil {
+			return fmt.Errorf("sync %s: %w", target, err)
+		}
 		err = unix.Linkat(unix.AT_FDCWD, fmt.Sprintf("/proc/self/fd/%d", fd), unix.AT_FDCWD, target, unix.AT_SYMLINK_FOLLOW)
 		if errors.Is(err, fs.ErrExist) {
 			return nil
 		}
-		return err
+		if err != nil {
+			return err
+		}
+		return SyncDir(dir)
 	}
 	tmp, err := os.CreateTemp(dir, ".tmp-*")
 	if err != nil {
 		return err
 	}
 	_, err = tmp.Write(data)
+	if err == nil {
+		err = unix.Fdatasync(int(tmp.Fd()))
+	}
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
 	}
@@ -49,6 +62,21 @@ func Write(dir, target string, data []byte, perm os.FileMode) error {
 	}
 	if err != nil {
 		os.Remove(tmp.Name())
+		return err
 	}
-	return err
+	return SyncDir(dir)
+}
+
+// SyncDir flushes directory dir (its entries: names created, renamed or
+// removed in it) to disk.
+func SyncDir(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("sync dir: %w", err)
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("sync dir %s: %w", dir, err)
+	}
+	return nil
 }

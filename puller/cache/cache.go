@@ -1,13 +1,21 @@
-// Package cache is the node cache of a puller: chunks stored by the sha256
+// Package cache is the node store of a puller: chunks stored by the sha256
 // of their uncompressed bytes under <root>/chunks/sha256/<hh>/<hex>, shared
 // by every snapshot and mount on the node, so a chunk two snapshots share is
-// fetched once.
+// fetched once; and materialized image dirs, whole snapshots written out as
+// plain files under <root>/images/<hex> (see image.go).
 //
-// Every chunk is verified before it is stored and appears atomically (an
-// unnamed O_TMPFILE inode linked into place, or a temporary file renamed),
-// so after a crash or kill -9 the cache holds only whole, verified chunks.
-// The cache keeps its total size under a cap by evicting the least recently
-// used chunks, but never a chunk pinned by a live mount.
+// Every chunk is verified before it is stored and appears atomically and
+// durably (an unnamed O_TMPFILE inode, flushed, then linked into place and
+// its directory flushed), so a crash or kill -9 leaves no partial chunk
+// under a chunk's name. The disk is not trusted across processes all the
+// same: a chunk found on disk is verified (sha256) the first time a process
+// uses it, and a bad or short one is dropped and reported as not found, so
+// the caller fetches it again. The store keeps its total size (chunks and
+// image dirs) under a cap by evicting the least recently used, but never
+// one pinned by a live mount.
+//
+// Everything under root is the puller's alone: directories are 0700 and
+// files 0600 or 0400, since a snapshot is a process's memory.
 package cache
 
 import (
@@ -15,6 +23,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -25,9 +34,11 @@ import (
 
 	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sync/singleflight"
 )
 
-// ErrNotFound is returned for a chunk the cache does not hold.
+// ErrNotFound is returned for a chunk the cache does not hold, or held
+// damaged and has dropped.
 var ErrNotFound = errors.New("chunk not in cache")
 
 // Store is a node cache. It is safe for concurrent use by many mounts.
@@ -35,22 +46,42 @@ type Store struct {
 	root     string
 	capBytes int64
 
+	// verifying joins the first-use verifications of one chunk by
+	// concurrent readers.
+	verifying singleflight.Group
+
 	mu        sync.Mutex
-	entries   map[digest.Digest]*entry
+	entries   map[key]*entry
 	total     int64
-	pins      map[digest.Digest]int
+	pins      map[key]int
 	evictions int64
 	clock     func() time.Time
 }
 
+// key names a chunk (by the digest of its bytes) or an image dir (by the
+// digest of its snapshot's index): two namespaces.
+type key struct {
+	d     digest.Digest
+	image bool
+}
+
+func chunkKey(d digest.Digest) key { return key{d: d} }
+func imageKey(d digest.Digest) key { return key{d: d, image: true} }
+
 type entry struct {
 	size    int64
 	lastUse time.Time
+	// verified: this process wrote the chunk (verified before storing) or
+	// has checked its file's sha256 since it opened the store.
+	verified bool
 }
 
 // Stats describe the cache.
 type Stats struct {
-	Chunks    int   `json:"chunks"`
+	Chunks int `json:"chunks"`
+	// Images counts materialized image dirs.
+	Images int `json:"images"`
+	// Bytes is what chunks and image dirs take together.
 	Bytes     int64 `json:"bytes"`
 	CapBytes  int64 `json:"capBytes"`
 	Pinned    int   `json:"pinned"`
@@ -58,13 +89,14 @@ type Stats struct {
 }
 
 // Open opens (creating if needed) the cache under root with a size cap in
-// bytes (0: no cap). It indexes the chunks already there, taking their
-// modification time as their last use, and drops leftovers of interrupted
-// writes.
+// bytes (0: no cap). It indexes the chunks and complete image dirs already
+// there, taking their modification time as their last use, and drops
+// leftovers of interrupted writes: temporary chunk files, and image dirs
+// that are temporary or lack their completion marker.
 func Open(root string, capBytes int64) (*Store, error) {
-	s := &Store{root: root, capBytes: capBytes, entries: map[digest.Digest]*entry{}, pins: map[digest.Digest]int{}, clock: time.Now}
+	s := &Store{root: root, capBytes: capBytes, entries: map[key]*entry{}, pins: map[key]int{}, clock: time.Now}
 	dir := filepath.Join(root, "chunks", "sha256")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := mkdirPrivate(root, filepath.Join(root, "chunks"), dir, s.imagesDir()); err != nil {
 		return nil, fmt.Errorf("open cache: %w", err)
 	}
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
@@ -83,14 +115,35 @@ func Open(root string, capBytes int64) (*Store, error) {
 		if err != nil {
 			return nil
 		}
-		s.entries[dg] = &entry{size: info.Size(), lastUse: info.ModTime()}
+		s.entries[chunkKey(dg)] = &entry{size: info.Size(), lastUse: info.ModTime()}
 		s.total += info.Size()
 		return nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("index cache %s: %w", root, err)
 	}
+	if err := s.indexImages(); err != nil {
+		return nil, fmt.Errorf("index cache %s: %w", root, err)
+	}
 	return s, nil
+}
+
+// mkdirPrivate creates dirs (mode 0700) where missing, and makes the ones
+// after the first 0700 where they are not: an older cache left them 0755.
+// The first, the cache root, is the operator's to choose.
+func mkdirPrivate(dirs ...string) error {
+	for i, d := range dirs {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return err
+		}
+		if i == 0 {
+			continue
+		}
+		if err := os.Chmod(d, 0o700); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Root is the cache's directory.
@@ -102,73 +155,147 @@ func (s *Store) Path(d digest.Digest) string {
 	return filepath.Join(s.root, "chunks", "sha256", hx[:2], hx)
 }
 
-// Has reports whether the cache holds chunk d.
+// Has reports whether the cache holds chunk d (not whether it is intact:
+// a chunk not yet used by this process is verified when it is read).
 func (s *Store) Has(d digest.Digest) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	_, ok := s.entries[d]
+	_, ok := s.entries[chunkKey(d)]
 	return ok
 }
 
-// Get reads chunk d into buf (grown as needed) and marks it used. The bytes
-// were verified when they were stored; Get re-verifies them only if verify
-// is true (a chunk file could have been damaged on disk since).
+// Get reads chunk d into buf (grown as needed) and marks it used. A chunk
+// this process has not used before is verified first (its sha256), as it
+// is whenever verify is true; a damaged or short one is dropped and Get
+// returns ErrNotFound, so the caller fetches it again.
 func (s *Store) Get(d digest.Digest, buf []byte, verify bool) ([]byte, error) {
-	f, size, err := s.open(d)
+	f, e, err := s.open(d)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	if int64(cap(buf)) < size {
-		buf = make([]byte, size)
+	if int64(cap(buf)) < e.size {
+		buf = make([]byte, e.size)
 	}
-	buf = buf[:size]
+	buf = buf[:e.size]
 	if _, err := f.ReadAt(buf, 0); err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil, s.drop(d, e, "short")
+		}
 		return nil, fmt.Errorf("read cached chunk %s: %w", d, err)
 	}
-	if verify && hexSum(buf) != d.Encoded() {
-		os.Remove(s.Path(d))
-		s.forget(d)
-		return nil, fmt.Errorf("cached chunk %s is damaged; dropped: %w", d, ErrNotFound)
+	if verify || !s.isVerified(e) {
+		if hexSum(buf) != d.Encoded() {
+			return nil, s.drop(d, e, "damaged")
+		}
+		s.setVerified(e)
 	}
 	return buf, nil
 }
 
-// open opens chunk d's file, marks it used and returns its size.
-func (s *Store) open(d digest.Digest) (*os.File, int64, error) {
-	s.mu.Lock()
-	e, ok := s.entries[d]
-	if ok {
-		e.lastUse = s.clock()
-	}
-	s.mu.Unlock()
-	if !ok {
-		return nil, 0, ErrNotFound
-	}
-	f, err := os.Open(s.Path(d))
-	if errors.Is(err, fs.ErrNotExist) {
-		s.forget(d)
-		return nil, 0, ErrNotFound
-	}
-	if err != nil {
-		return nil, 0, fmt.Errorf("read cached chunk %s: %w", d, err)
-	}
-	return f, e.size, nil
-}
-
 // ReadAt reads len(p) bytes of chunk d at offset off straight from its file
-// (a FUSE read of part of a chunk costs one pread) and marks it used.
+// (a FUSE read of part of a chunk costs one pread) and marks it used. The
+// first read of a chunk in this process reads and verifies the whole chunk
+// first; a damaged or short one is dropped and ReadAt returns ErrNotFound.
+// A range past the chunk's end is an error: the caller's table does not
+// describe this chunk.
 func (s *Store) ReadAt(d digest.Digest, p []byte, off int64) (int, error) {
-	f, _, err := s.open(d)
+	f, e, err := s.open(d)
 	if err != nil {
 		return 0, err
 	}
 	defer f.Close()
+	if !s.isVerified(e) {
+		if err := s.verifyFile(d, e, f); err != nil {
+			return 0, err
+		}
+	}
+	if off < 0 || off+int64(len(p)) > e.size {
+		return 0, fmt.Errorf("read cached chunk %s at %d+%d: past its %d bytes", d, off, len(p), e.size)
+	}
 	n, err := f.ReadAt(p, off)
 	if err != nil {
 		return n, fmt.Errorf("read cached chunk %s at %d: %w", d, off, err)
 	}
 	return n, nil
+}
+
+// verifyFile reads chunk d's whole file and checks its sha256, once however
+// many readers of the chunk arrive together; a bad chunk is dropped.
+func (s *Store) verifyFile(d digest.Digest, e *entry, f *os.File) error {
+	_, err, _ := s.verifying.Do(d.String(), func() (any, error) {
+		if s.isVerified(e) {
+			return nil, nil
+		}
+		bp := bufPool.Get().(*[]byte)
+		defer bufPool.Put(bp)
+		if int64(cap(*bp)) < e.size {
+			*bp = make([]byte, e.size)
+		}
+		buf := (*bp)[:e.size]
+		if _, err := f.ReadAt(buf, 0); err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil, s.drop(d, e, "short")
+			}
+			return nil, fmt.Errorf("read cached chunk %s: %w", d, err)
+		}
+		if hexSum(buf) != d.Encoded() {
+			return nil, s.drop(d, e, "damaged")
+		}
+		s.setVerified(e)
+		return nil, nil
+	})
+	return err
+}
+
+// bufPool holds buffers for verifying chunks read in part.
+var bufPool = sync.Pool{New: func() any { return new([]byte) }}
+
+func (s *Store) isVerified(e *entry) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return e.verified
+}
+
+func (s *Store) setVerified(e *entry) {
+	s.mu.Lock()
+	e.verified = true
+	s.mu.Unlock()
+}
+
+// drop removes chunk d, found damaged, unless it was replaced meanwhile,
+// and returns the ErrNotFound to report.
+func (s *Store) drop(d digest.Digest, e *entry, what string) error {
+	s.mu.Lock()
+	if s.entries[chunkKey(d)] == e {
+		os.Remove(s.Path(d))
+		s.total -= e.size
+		delete(s.entries, chunkKey(d))
+	}
+	s.mu.Unlock()
+	return fmt.Errorf("cached chunk %s is %s; dropped: %w", d, what, ErrNotFound)
+}
+
+// open opens chunk d's file, marks it used and returns its entry.
+func (s *Store) open(d digest.Digest) (*os.File, *entry, error) {
+	s.mu.Lock()
+	e, ok := s.entries[chunkKey(d)]
+	if ok {
+		e.lastUse = s.clock()
+	}
+	s.mu.Unlock()
+	if !ok {
+		return nil, nil, ErrNotFound
+	}
+	f, err := os.Open(s.Path(d))
+	if errors.Is(err, fs.ErrNotExist) {
+		s.forget(chunkKey(d), e)
+		return nil, nil, ErrNotFound
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("read cached chunk %s: %w", d, err)
+	}
+	return f, e, nil
 }
 
 // Put stores data as chunk d after checking that it hashes to d. It is a
@@ -193,14 +320,19 @@ func (s *Store) PutVerified(d digest.Digest, data []byte) error {
 	if err := atomicfile.Write(filepath.Dir(p), p, data, 0o400); err != nil {
 		return fmt.Errorf("cache put %s: %w", d, err)
 	}
-	s.mu.Lock()
-	if _, ok := s.entries[d]; !ok {
-		s.entries[d] = &entry{size: int64(len(data)), lastUse: s.clock()}
-		s.total += int64(len(data))
-	}
-	s.mu.Unlock()
+	s.add(chunkKey(d), int64(len(data)))
 	s.evict()
 	return nil
+}
+
+// add records a verified entry of size bytes unless there is one.
+func (s *Store) add(k key, size int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.entries[k]; !ok {
+		s.entries[k] = &entry{size: size, lastUse: s.clock(), verified: true}
+		s.total += size
+	}
 }
 
 // Pin marks chunks as used by a live mount: they are not evicted until
@@ -209,7 +341,7 @@ func (s *Store) Pin(ds []digest.Digest) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, d := range ds {
-		s.pins[d]++
+		s.pins[chunkKey(d)]++
 	}
 }
 
@@ -217,34 +349,47 @@ func (s *Store) Pin(ds []digest.Digest) {
 func (s *Store) Unpin(ds []digest.Digest) {
 	s.mu.Lock()
 	for _, d := range ds {
-		if s.pins[d] <= 1 {
-			delete(s.pins, d)
-		} else {
-			s.pins[d]--
-		}
+		s.unpinLocked(chunkKey(d))
 	}
 	s.mu.Unlock()
 	s.evict()
+}
+
+func (s *Store) unpinLocked(k key) {
+	if s.pins[k] <= 1 {
+		delete(s.pins, k)
+	} else {
+		s.pins[k]--
+	}
 }
 
 // Stats returns the cache's size and counts.
 func (s *Store) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Stats{Chunks: len(s.entries), Bytes: s.total, CapBytes: s.capBytes, Pinned: len(s.pins), Evictions: s.evictions}
+	st := Stats{Bytes: s.total, CapBytes: s.capBytes, Pinned: len(s.pins), Evictions: s.evictions}
+	for k := range s.entries {
+		if k.image {
+			st.Images++
+		} else {
+			st.Chunks++
+		}
+	}
+	return st
 }
 
-func (s *Store) forget(d digest.Digest) {
+// forget drops k's entry if it is still e.
+func (s *Store) forget(k key, e *entry) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if e, ok := s.entries[d]; ok {
+	if s.entries[k] == e {
 		s.total -= e.size
-		delete(s.entries, d)
+		delete(s.entries, k)
 	}
 }
 
-// evict removes least recently used unpinned chunks until the cache is
-// under 90% of its cap (or nothing unpinned is left).
+// evict removes least recently used unpinned chunks and image dirs until
+// the cache is under 90% of its cap (or nothing unpinned is left).
 func (s *Store) evict() {
 	s.mu.Lock()
 	if s.capBytes <= 0 || s.total <= s.capBytes {
@@ -252,30 +397,45 @@ func (s *Store) evict() {
 		return
 	}
 	type cand struct {
-		d digest.Digest
+		k key
 		e *entry
 	}
 	var cands []cand
-	for d, e := range s.entries {
-		if s.pins[d] == 0 {
-			cands = append(cands, cand{d, e})
+	for k, e := range s.entries {
+		if s.pins[k] == 0 {
+			cands = append(cands, cand{k, e})
 		}
 	}
 	sort.Slice(cands, func(i, j int) bool { return cands[i].e.lastUse.Before(cands[j].e.lastUse) })
 	target := s.capBytes - s.capBytes/10
-	var victims []digest.Digest
+	var victims []key
 	for _, c := range cands {
 		if s.total <= target {
 			break
 		}
 		s.total -= c.e.size
-		delete(s.entries, c.d)
-		victims = append(victims, c.d)
+		delete(s.entries, c.k)
+		victims = append(victims, c.k)
 		s.evictions++
 	}
+	// Image dirs leave their name under the lock: a mount pinning one
+	// right after must not find it half removed.
+	var trash []string
+	for _, k := range victims {
+		if k.image {
+			if t := s.unlinkImage(k.d); t != "" {
+				trash = append(trash, t)
+			}
+		}
+	}
 	s.mu.Unlock()
-	for _, d := range victims {
-		os.Remove(s.Path(d))
+	for _, k := range victims {
+		if !k.image {
+			os.Remove(s.Path(k.d))
+		}
+	}
+	for _, t := range trash {
+		os.RemoveAll(t)
 	}
 }
 

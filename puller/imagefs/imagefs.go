@@ -6,6 +6,13 @@
 // background prefetch. Reads run concurrently without a global lock: each
 // resolves its chunks by binary search and reads them from the node cache
 // with pread.
+//
+// The filesystem serves only the uid that runs the puller: it is mounted
+// with default_permissions, so the kernel checks the modes it reports, and
+// every file is 0400 and every dir 0500, owned by that uid, whatever modes
+// the snapshot records (a snapshot is a process's memory). The mount keeps
+// allow_other, so FUSE's own same-uid-and-gid check does not stand between
+// runsc and the files; the mode check refuses every other user.
 package imagefs
 
 import (
@@ -13,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"path"
 	"sort"
 	"strings"
@@ -31,7 +39,8 @@ import (
 type File struct {
 	// Path is slash-separated, relative to the mount point.
 	Path string
-	// Size and Mode as recorded in the snapshot.
+	// Size and Mode as recorded in the snapshot. Mode is not served: the
+	// filesystem shows every file as 0400, owned by the puller.
 	Size int64
 	Mode uint32
 	// Data holds a small file's verified bytes; nil for a lazy file.
@@ -75,7 +84,44 @@ type FS struct {
 	readLog io.Writer
 }
 
-var _ = (fs.NodeOnAdder)((*FS)(nil))
+var (
+	_ = (fs.NodeOnAdder)((*FS)(nil))
+	_ = (fs.NodeGetattrer)((*FS)(nil))
+	_ = (fs.NodeGetattrer)((*dirNode)(nil))
+)
+
+// The modes everything is served with: readable (and dirs searchable) by
+// the owner only.
+const (
+	fileMode = 0o400
+	dirMode  = 0o500
+)
+
+// setOwner makes the puller's uid and gid own an attribute.
+func setOwner(a *fuse.Attr) {
+	a.Owner = fuse.Owner{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid())}
+}
+
+// Getattr describes the root dir.
+func (f *FS) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	return dirAttr(out)
+}
+
+// dirNode is a directory of the image below the root.
+type dirNode struct{ fs.Inode }
+
+// Getattr describes the dir.
+func (n *dirNode) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	return dirAttr(out)
+}
+
+func dirAttr(out *fuse.AttrOut) syscall.Errno {
+	out.Mode = fuse.S_IFDIR | dirMode
+	out.Nlink = 2
+	setOwner(&out.Attr)
+	out.SetTimeout(time.Hour)
+	return 0
+}
 
 // New returns the root of a filesystem holding files, whose lazy chunks are
 // read from c or, on a miss, from src. readLog, if not nil, gets a line per
@@ -96,7 +142,7 @@ func (f *FS) OnAdd(ctx context.Context) {
 			}
 			ch := p.GetChild(comp)
 			if ch == nil {
-				ch = p.NewPersistentInode(ctx, &fs.Inode{}, fs.StableAttr{Mode: fuse.S_IFDIR})
+				ch = p.NewPersistentInode(ctx, &dirNode{}, fs.StableAttr{Mode: fuse.S_IFDIR})
 				p.AddChild(comp, ch, true)
 			}
 			p = ch
@@ -120,7 +166,8 @@ var (
 )
 
 func (n *fileNode) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
-	out.Mode = fuse.S_IFREG | (n.file.Mode & 0o555)
+	out.Mode = fuse.S_IFREG | fileMode
+	setOwner(&out.Attr)
 	out.Size = uint64(n.file.Size)
 	out.Blocks = (out.Size + 511) / 512
 	out.Nlink = 1
@@ -210,6 +257,10 @@ func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64,
 	if err != nil {
 		return err
 	}
+	// A table that lies about the chunk's size: never serve part of it.
+	if int64(len(data)) != c.Size || pos < 0 || pos+int64(len(p)) > c.Size {
+		return fmt.Errorf("chunk %s: %d bytes, table says %d (read at %d+%d)", c.Digest, len(data), c.Size, pos, len(p))
+	}
 	copy(p, data[pos:])
 	return nil
 }
@@ -220,7 +271,9 @@ const FSType = "cryo"
 
 // MountOptions are the FUSE options an image filesystem is mounted with:
 // large reads (1 MiB), many requests in flight, long attribute timeouts
-// (nothing ever changes), read-only.
+// (nothing ever changes), read-only, permissions checked by the kernel
+// against the modes served (default_permissions): only the puller's uid
+// reads.
 func MountOptions(name string) *fs.Options {
 	timeout := time.Hour
 	return &fs.Options{
@@ -234,7 +287,7 @@ func MountOptions(name string) *fs.Options {
 			MaxBackground: 128,
 			AllowOther:    true,
 			DirectMount:   true,
-			Options:       []string{"ro"},
+			Options:       []string{"ro", "default_permissions"},
 		},
 	}
 }
