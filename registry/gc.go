@@ -29,6 +29,15 @@ type GCOptions struct {
 	// runs; GC stops if it cannot renew it, and the mode ends one lease
 	// after a GC that dies.
 	ReadOnlyWait, ReadOnlyLease time.Duration
+	// Grace keeps what was pushed less than Grace ago, by the storage's
+	// modification times: blobs uploaded or linked (mounted, re-uploaded)
+	// into any repository and manifests put since then, and, with
+	// RemoveUntagged, everything such a manifest references. A push
+	// uploads its chunks before the manifests and the tagged index that
+	// reference them; a collection in between keeps them. 0 keeps nothing
+	// for its age (distribution's behaviour); the CLI's default is
+	// DefaultGCGrace.
+	Grace time.Duration
 }
 
 // GCResult says what GC freed.
@@ -41,6 +50,9 @@ type GCResult struct {
 	// CacheEntriesCleared counts the redis blob descriptor cache keys GC
 	// flushed after the sweep (0 without a redis cache).
 	CacheEntriesCleared int
+	// BlobsKeptForGrace counts unreferenced blobs (manifests included)
+	// kept because they are younger than GCOptions.Grace.
+	BlobsKeptForGrace int
 }
 
 // GC runs distribution's mark-and-sweep garbage collection over the
@@ -103,6 +115,14 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 	// checks work before each one (distribution's sweep does not look at
 	// its context, and the filesystem driver ignores it).
 	sd := stoppableDriver{StorageDriver: s.driver, stop: work}
+	if opts.Grace > 0 {
+		// After the read-only wait: no push writes from here on, except
+		// through a registry that does not see the mode (the keeper
+		// checks a blob's data again before deleting it).
+		if sd.grace, err = newGraceKeeper(work, s.driver, s.ns, time.Now().Add(-opts.Grace), opts.RemoveUntagged); err != nil {
+			return nil, err
+		}
+	}
 	sns, err := storage.NewRegistry(work, sd, storage.EnableDelete)
 	if err != nil {
 		return nil, fmt.Errorf("open storage for gc: %w", err)
@@ -135,6 +155,9 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 		return nil, err
 	}
 	res.BlobsAfter, res.BlobBytesAfter = after.Blobs, after.BlobBytes
+	if sd.grace != nil {
+		res.BlobsKeptForGrace = sd.grace.keptBlobs()
+	}
 	return res, nil
 }
 
@@ -185,15 +208,23 @@ func (s *Server) settleCache(ctx context.Context, own string, leaseHeld func() b
 	return n + m, err
 }
 
-// stoppableDriver refuses deletes and writes once stop is done.
+// stoppableDriver refuses deletes and writes once stop is done, and skips
+// (reporting success) the deletes of content younger than the grace period.
 type stoppableDriver struct {
 	storagedriver.StorageDriver
-	stop context.Context
+	stop  context.Context
+	grace *graceKeeper // nil: no grace period
 }
 
 func (d stoppableDriver) Delete(ctx context.Context, path string) error {
 	if err := context.Cause(d.stop); err != nil {
 		return err
+	}
+	if d.grace != nil {
+		keep, err := d.grace.keep(ctx, path)
+		if err != nil || keep {
+			return err
+		}
 	}
 	return d.StorageDriver.Delete(ctx, path)
 }

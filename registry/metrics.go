@@ -20,6 +20,9 @@ type metrics struct {
 	bytesServed   *prometheus.CounterVec
 	bytesReceived *prometheus.CounterVec
 	chunkLookups  *prometheus.CounterVec
+	// chunkVerifications counts chunk table entries the chunk index
+	// checked against their blob, by result (ok, refused).
+	chunkVerifications *prometheus.CounterVec
 }
 
 func newMetrics(s *Server) *metrics {
@@ -37,6 +40,10 @@ func newMetrics(s *Server) *metrics {
 			Name: "cryo_registry_chunk_index_lookups_total",
 			Help: "Chunk index lookups by result (hit: some blob carries the chunk; miss).",
 		}, []string{"result"}),
+		chunkVerifications: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cryo_registry_chunk_index_verifications_total",
+			Help: "Chunks of pushed chunk tables the chunk index checked against their blob before recording them, by result (ok; refused: the blob does not hold the chunk, or could not be read).",
+		}, []string{"result"}),
 	}
 	readOnly := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "cryo_registry_read_only",
@@ -47,7 +54,7 @@ func newMetrics(s *Server) *metrics {
 		}
 		return 0
 	})
-	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
+	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, m.chunkVerifications, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
 }
 

@@ -17,11 +17,9 @@ import (
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/transfer"
-	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2"
-	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/registry/remote"
 )
 
@@ -101,11 +99,11 @@ func TestChunkIndexSkipsDifferentlyEncodedChunks(t *testing.T) {
 	reg := startRegistry(t, "")
 	src := testenv.ImageDir(t, synth.Text, 8<<20, 2)
 	repoA, _ := reg.repo(t, "a:v1")
-	foreign := &reencoder{t: t}
-	if _, _, err := format.Pack(ctx, src, foreign.wrap(repoA), format.PackOptions{}); err != nil {
+	foreign := newRewriter(repoA, reencodeZstd)
+	if _, _, err := format.Pack(ctx, src, foreign, format.PackOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if foreign.reencoded == 0 {
+	if foreign.count() == 0 {
 		t.Fatal("no chunk was re-encoded")
 	}
 	repoB, tag := reg.repo(t, "b:v1")
@@ -131,95 +129,6 @@ func TestChunkIndexSkipsDifferentlyEncodedChunks(t *testing.T) {
 	if resp.StatusCode != http.StatusNotFound {
 		t.Fatalf("unknown chunk: %s", resp.Status)
 	}
-}
-
-// reencoder is a content.Storage that re-compresses every zstd chunk blob
-// Pack pushes with another zstd level, rewriting the chunk tables and
-// manifests accordingly, like a pusher with another zstd version would.
-type reencoder struct {
-	t         *testing.T
-	target    *remote.Repository
-	blobs     map[digest.Digest]ocispec.Descriptor // cryo blob -> foreign blob
-	reencoded int
-}
-
-func (r *reencoder) wrap(repo *remote.Repository) content.Storage {
-	r.target = repo
-	r.blobs = map[digest.Digest]ocispec.Descriptor{}
-	return r
-}
-
-func (r *reencoder) Exists(ctx context.Context, d ocispec.Descriptor) (bool, error) {
-	return false, nil
-}
-
-func (r *reencoder) Fetch(ctx context.Context, d ocispec.Descriptor) (io.ReadCloser, error) {
-	return r.target.Fetch(ctx, d)
-}
-
-func (r *reencoder) Push(ctx context.Context, d ocispec.Descriptor, rd io.Reader) error {
-	data, err := io.ReadAll(rd)
-	if err != nil {
-		return err
-	}
-	switch d.MediaType {
-	case format.MediaTypeChunkZstd:
-		raw, err := zstd.NewReader(nil)
-		if err != nil {
-			return err
-		}
-		plain, err := raw.DecodeAll(data, nil)
-		raw.Close()
-		if err != nil {
-			return err
-		}
-		enc, _ := zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedBestCompression))
-		other := enc.EncodeAll(plain, nil)
-		enc.Close()
-		nd := content.NewDescriptorFromBytes(d.MediaType, other)
-		r.blobs[d.Digest] = nd
-		r.reencoded++
-		return r.target.Push(ctx, nd, bytes.NewReader(other))
-	case format.MediaTypeChunkTable:
-		var tab format.Table
-		json.Unmarshal(data, &tab)
-		for i, c := range tab.Chunks {
-			if nd, ok := r.blobs[c.Blob]; ok {
-				tab.Chunks[i].Blob, tab.Chunks[i].BlobSize = nd.Digest, nd.Size
-			}
-		}
-		data, _ = json.Marshal(tab)
-		nd := content.NewDescriptorFromBytes(d.MediaType, data)
-		r.blobs[d.Digest] = nd
-		return r.target.Push(ctx, nd, bytes.NewReader(data))
-	case ocispec.MediaTypeImageManifest:
-		var m ocispec.Manifest
-		json.Unmarshal(data, &m)
-		if nd, ok := r.blobs[m.Config.Digest]; ok {
-			m.Config = nd
-		}
-		for i, l := range m.Layers {
-			if nd, ok := r.blobs[l.Digest]; ok {
-				m.Layers[i].Digest, m.Layers[i].Size = nd.Digest, nd.Size
-			}
-		}
-		data, _ = json.Marshal(m)
-		nd := content.NewDescriptorFromBytes(d.MediaType, data)
-		r.blobs[d.Digest] = nd
-		return r.target.Push(ctx, nd, bytes.NewReader(data))
-	case ocispec.MediaTypeImageIndex:
-		var idx ocispec.Index
-		json.Unmarshal(data, &idx)
-		for i, m := range idx.Manifests {
-			if nd, ok := r.blobs[m.Digest]; ok {
-				idx.Manifests[i].Digest, idx.Manifests[i].Size = nd.Digest, nd.Size
-			}
-		}
-		data, _ = json.Marshal(idx)
-		nd := content.NewDescriptorFromBytes(d.MediaType, data)
-		return r.target.Push(ctx, nd, bytes.NewReader(data))
-	}
-	return r.target.Push(ctx, d, bytes.NewReader(data))
 }
 
 func TestReferrers(t *testing.T) {

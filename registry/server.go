@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/distribution/distribution/v3"
 	"github.com/distribution/distribution/v3/configuration"
 	"github.com/distribution/distribution/v3/registry/handlers"
@@ -49,6 +50,10 @@ type Options struct {
 	// is re-read: 0 means DefaultReadOnlyPoll, negative never (for
 	// one-off maintenance commands that serve nothing).
 	ReadOnlyPoll time.Duration
+	// StallTimeout is how long a client may stop sending a request body or
+	// taking a response before its connection is closed (see
+	// DefaultStallTimeout, the default when 0).
+	StallTimeout time.Duration
 }
 
 // Server is a running registry's HTTP handler and storage.
@@ -59,6 +64,7 @@ type Server struct {
 	ns       distribution.Namespace
 	log      *slog.Logger
 	chunks   *chunkIndex
+	codec    *format.Codec
 	refs     *referrers
 	metrics  *metrics
 	handler  http.Handler
@@ -102,9 +108,17 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	app := handlers.NewApp(ctx, cfg)
 	s = &Server{cfg: cfg, app: app, driver: driver, ns: ns, log: opts.Logger, mirrorOf: cfg.Proxy.RemoteURL}
 	s.metrics = newMetrics(s)
-	s.chunks = &chunkIndex{driver: driver, ns: ns, log: opts.Logger, metrics: s.metrics}
+	codec, err := format.NewCodec(0)
+	if err != nil {
+		return nil, err
+	}
+	s.codec = codec
+	s.chunks = newChunkIndex(driver, ns, opts.Logger, s.metrics, codec)
 	s.refs = &referrers{driver: driver, ns: ns}
-	s.handler = s.routes()
+	if opts.StallTimeout <= 0 {
+		opts.StallTimeout = DefaultStallTimeout
+	}
+	s.handler = withStallTimeouts(s.routes(), opts.StallTimeout)
 	wctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	s.stop = stop
 	if opts.ReadOnlyPoll >= 0 {
@@ -133,7 +147,9 @@ func (s *Server) Namespace() distribution.Namespace { return s.ns }
 // Close stops background work of the distribution app.
 func (s *Server) Close() error {
 	s.stop()
-	return s.app.Shutdown()
+	err := s.app.Shutdown()
+	s.codec.Close()
+	return err
 }
 
 var (
@@ -189,16 +205,29 @@ func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
 // probe request through the app. On refusal it writes distribution's answer
 // (401 with WWW-Authenticate, or 403) and returns false.
 func (s *Server) authorize(w http.ResponseWriter, r *http.Request, repo string) bool {
+	return s.authorizeAs(w, r, http.MethodHead, repo)
+}
+
+// zeroManifest is a manifest path no content has: a probe on it reaches
+// distribution's access check and then finds nothing to do.
+const zeroManifest = "/manifests/sha256:0000000000000000000000000000000000000000000000000000000000000000"
+
+// authorizeAs is authorize for the access a request of method needs: HEAD
+// or GET for pull, PUT for push. A PUT probe carries no body; should the
+// caller have push access, distribution refuses it as an invalid manifest
+// without storing anything.
+func (s *Server) authorizeAs(w http.ResponseWriter, r *http.Request, method, repo string) bool {
 	if s.cfg.Auth.Type() == "" {
 		return true
 	}
 	probe := r.Clone(r.Context())
-	probe.Method = http.MethodHead
+	probe.Method = method
 	probe.Body = http.NoBody
 	probe.ContentLength = 0
+	probe.Header.Del("Content-Type")
 	probe.URL.Path = "/v2/"
 	if repo != "" {
-		probe.URL.Path = "/v2/" + repo + "/manifests/sha256:0000000000000000000000000000000000000000000000000000000000000000"
+		probe.URL.Path = "/v2/" + repo + zeroManifest
 	}
 	probe.URL.RawQuery = ""
 	rec := httptest.NewRecorder()
@@ -220,7 +249,13 @@ const maxManifestBody = 4<<20 + 1
 // handleManifestPut passes a manifest upload to distribution and, when it
 // succeeds, records the manifest's subject (referrers API) and, for a cryo
 // file manifest, its chunks (chunk index).
+//
+// The body is buffered only for a caller with push access to repo: anyone
+// else gets distribution's 401 or 403 before a byte of it is read.
 func (s *Server) handleManifestPut(w http.ResponseWriter, r *http.Request, repo, reference string) {
+	if !s.authorizeAs(w, r, http.MethodPut, repo) {
+		return
+	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, maxManifestBody))
 	if err != nil {
 		http.Error(w, "read manifest: "+err.Error(), http.StatusBadRequest)
@@ -267,7 +302,8 @@ func (p *putHook) Write(b []byte) (int, error) {
 // certificate) and the metrics handler on metricsLn if it is not nil, until
 // ctx is done; then it shuts down gracefully.
 func (s *Server) Serve(ctx context.Context, ln, metricsLn net.Listener) error {
-	srv := &http.Server{Handler: s.handler, ReadHeaderTimeout: 30 * time.Second}
+	// Timeouts: see timeouts.go.
+	srv := &http.Server{Handler: s.handler, ReadHeaderTimeout: ReadHeaderTimeout, IdleTimeout: IdleTimeout}
 	errc := make(chan error, 2)
 	tlsCfg := s.cfg.HTTP.TLS
 	go func() {
@@ -282,7 +318,7 @@ func (s *Server) Serve(ctx context.Context, ln, metricsLn net.Listener) error {
 	if metricsLn != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", s.MetricsHandler())
-		msrv = &http.Server{Handler: mux, ReadHeaderTimeout: 30 * time.Second}
+		msrv = &http.Server{Handler: mux, ReadHeaderTimeout: ReadHeaderTimeout, IdleTimeout: IdleTimeout}
 		go func() { errc <- msrv.Serve(metricsLn) }()
 	}
 	select {

@@ -159,7 +159,7 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 
 	t.Run("gc against the shared store while replicas serve", func(t *testing.T) {
 		deleteSnapshot(t, a.Addr, "app", "v1")
-		gc := exec.Command(cryo, "registry", "gc", "--json", "--config", cfg, "--delete-untagged", "--read-only-wait", "15s")
+		gc := exec.Command(cryo, "registry", "gc", "--json", "--config", cfg, "--delete-untagged", "--read-only-wait", "15s", "--grace", "0")
 		var out, errOut bytes.Buffer
 		gc.Stdout, gc.Stderr = &out, &errOut
 		if err := gc.Start(); err != nil {

@@ -151,7 +151,7 @@ func newRegistryGCCmd() *cobra.Command {
 		sf                     storeFlags
 		dryRun, deleteUntagged bool
 		asJSON                 bool
-		roWait, roLease        time.Duration
+		roWait, roLease, grace time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "gc",
@@ -178,10 +178,20 @@ With a redis blob descriptor cache in the configuration, gc flushes it after
 the sweep, before leaving read-only mode; should that fail, the registries
 flush it themselves and refuse pushes until they could.
 
+A push uploads its chunks before the manifests and the tagged index that
+reference them. So that a push under way when gc starts (or one read-only
+mode held up) still completes intact, gc keeps what is younger than --grace
+(default 1h), by the storage's modification times: blobs uploaded or
+mounted into any repository since then (a reused blob counts from its
+newest mount), manifests pushed since then, and, with --delete-untagged,
+everything those manifests reference. --grace 0 sweeps them too, as
+distribution does.
+
 --delete-untagged also deletes snapshots whose tag moved to a newer one:
 nodes still loading such a snapshot lose its chunks.`,
 		Example: `  cryo registry gc --root /var/lib/cryo-registry --delete-untagged
-  cryo registry gc --config /etc/cryo/registry.yaml --delete-untagged --read-only-wait 15s`,
+  cryo registry gc --config /etc/cryo/registry.yaml --delete-untagged --read-only-wait 15s
+  cryo registry gc --root /var/lib/cryo-registry --delete-untagged --grace 0   # registry stopped, nothing in flight`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			srv, err := sf.open(cmd.Context())
@@ -189,7 +199,7 @@ nodes still loading such a snapshot lose its chunks.`,
 				return err
 			}
 			defer srv.Close()
-			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyLease: roLease})
+			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyLease: roLease, Grace: grace})
 			if err != nil {
 				return err
 			}
@@ -200,9 +210,9 @@ nodes still loading such a snapshot lose its chunks.`,
 				fmt.Fprintf(cmd.OutOrStdout(), "dry run: nothing deleted (%d blobs, %s stored)\n", res.BlobsBefore, humanBytes(res.BlobBytesBefore))
 				return nil
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "gc: %d of %d blobs deleted, %s freed, %s remain; %d chunk index, %d referrer and %d redis cache entries dropped\n",
+			fmt.Fprintf(cmd.OutOrStdout(), "gc: %d of %d blobs deleted, %s freed, %s remain; %d unreferenced blobs kept, younger than --grace %s; %d chunk index, %d referrer and %d redis cache entries dropped\n",
 				res.BlobsBefore-res.BlobsAfter, res.BlobsBefore, humanBytes(res.BlobBytesBefore-res.BlobBytesAfter), humanBytes(res.BlobBytesAfter),
-				res.ChunkIndexPruned, res.ReferrersPruned, res.CacheEntriesCleared)
+				res.BlobsKeptForGrace, grace, res.ChunkIndexPruned, res.ReferrersPruned, res.CacheEntriesCleared)
 			return nil
 		},
 	}
@@ -211,6 +221,7 @@ nodes still loading such a snapshot lose its chunks.`,
 	cmd.Flags().BoolVar(&deleteUntagged, "delete-untagged", false, "also delete manifests that no tag reaches (and untagged referrers)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	cmd.Flags().DurationVar(&roWait, "read-only-wait", 0, "put the serving registries in read-only mode and wait this long before sweeping (0: they must be stopped)")
+	cmd.Flags().DurationVar(&grace, "grace", registry.DefaultGCGrace, "keep blobs and manifests pushed or mounted less than this long ago, with what those manifests reference (0: sweep them too)")
 	cmd.Flags().DurationVar(&roLease, "read-only-lease", registry.DefaultReadOnlyLease, "read-only mode lease, renewed every quarter of it while gc runs; it ends this long after a gc that died")
 	return cmd
 }
