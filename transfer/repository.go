@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"oras.land/oras-go/v2/registry"
@@ -27,14 +28,26 @@ import (
 // DefaultTag is the tag used when a reference names none.
 const DefaultTag = "latest"
 
-// ClientOptions say how to reach a registry.
+// DefaultResponseHeaderTimeout is how long a request waits for a
+// registry's response headers once it is sent, unless ClientOptions says
+// otherwise: a registry that accepts a connection and then hangs fails the
+// request (which callers retry or fail over) instead of hanging it forever.
+const DefaultResponseHeaderTimeout = 60 * time.Second
+
+// ClientOptions say how to reach registries.
 type ClientOptions struct {
 	// PlainHTTP forces HTTP (true) or HTTPS (false). Unset, localhost and
 	// loopback registries use HTTP, as Docker does, and others HTTPS.
 	PlainHTTP *bool
-	// Username and Password, if set, are used instead of Docker's
-	// credential store.
+	// Username and Password, if set, are the credentials of the registry
+	// CredentialHost, used there instead of Docker's credential store.
+	// They are never sent to another registry (a mirror, say): every
+	// other registry gets its credentials from Docker's credential store.
 	Username, Password string
+	// CredentialHost is the registry (host[:port]) Username and Password
+	// are for. Repository sets it to the registry its reference names
+	// when it is empty; NewClient refuses credentials without it.
+	CredentialHost string
 	// MaxConns bounds the idle connections kept per registry (default 64),
 	// so that parallel transfers reuse keep-alive connections.
 	MaxConns int
@@ -44,35 +57,178 @@ type ClientOptions struct {
 	CAFile string
 	// Insecure skips TLS certificate verification (testing only).
 	Insecure bool
+	// ResponseHeaderTimeout bounds the wait for a response's headers
+	// after a request is sent (default DefaultResponseHeaderTimeout).
+	ResponseHeaderTimeout time.Duration
 }
 
-// Repository opens the repository named by ref ("host[:port]/name[:tag|@digest]")
-// and returns it with the tag or digest ref names (DefaultTag if none).
-func Repository(ref string, opts ClientOptions) (*remote.Repository, string, error) {
-	parsed, err := registry.ParseReference(ref)
-	if err != nil {
-		return nil, "", fmt.Errorf("reference %q: %w", ref, err)
+// Client reaches registries. It builds one authenticated HTTP client per
+// registry host on first use, over one shared transport (keep-alive
+// connections, TLS settings, retries), and shares it between every
+// repository it opens on that host, so tokens and connections are reused
+// and Docker's credential store is read once (again only when its config
+// file changes, as a mounted Kubernetes secret does when it is rotated). A
+// Client is safe for
+// concurrent use.
+type Client struct {
+	opts ClientOptions
+	http *http.Client
+
+	mu    sync.Mutex
+	hosts map[string]*auth.Client
+
+	storeMu   sync.Mutex
+	store     *credentials.DynamicStore
+	storeStat os.FileInfo // of the config file store was read from; nil: none
+}
+
+// NewClient returns a Client that reaches registries as opts says.
+func NewClient(opts ClientOptions) (*Client, error) {
+	if (opts.Username != "" || opts.Password != "") && opts.CredentialHost == "" {
+		return nil, errors.New("transfer: a username or password needs the registry it is for (ClientOptions.CredentialHost)")
 	}
-	reference := parsed.Reference
-	if reference == "" {
-		reference = DefaultTag
-		parsed.Reference = DefaultTag
+	tr, err := newTransport(opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{opts: opts, http: &http.Client{Transport: newRetryTransport(tr)}, hosts: map[string]*auth.Client{}}, nil
+}
+
+// Repository opens the repository named by ref
+// ("host[:port]/name[:tag|@digest]") and returns it with the tag or digest
+// ref names (DefaultTag if none). Repositories on one host share that
+// host's authenticated client.
+func (c *Client) Repository(ref string) (*remote.Repository, string, error) {
+	parsed, err := ParseReference(ref)
+	if err != nil {
+		return nil, "", err
 	}
 	repo, err := remote.NewRepository(parsed.String())
 	if err != nil {
 		return nil, "", fmt.Errorf("reference %q: %w", ref, err)
 	}
-	repo.PlainHTTP = isLocal(parsed.Registry)
-	if opts.PlainHTTP != nil {
-		repo.PlainHTTP = *opts.PlainHTTP
+	repo.PlainHTTP = c.plainHTTP(parsed.Registry)
+	repo.Client = c.authClient(parsed.Registry)
+	repo.SkipReferrersGC = true
+	return repo, parsed.Reference, nil
+}
+
+// Registry returns the registry at host ("host[:port]").
+func (c *Client) Registry(host string) (*remote.Registry, error) {
+	reg, err := remote.NewRegistry(host)
+	if err != nil {
+		return nil, fmt.Errorf("registry %q: %w", host, err)
 	}
-	client, err := newClient(opts)
+	reg.PlainHTTP = c.plainHTTP(reg.Reference.Registry)
+	reg.Client = c.authClient(reg.Reference.Registry)
+	return reg, nil
+}
+
+func (c *Client) plainHTTP(host string) bool {
+	if c.opts.PlainHTTP != nil {
+		return *c.opts.PlainHTTP
+	}
+	return isLocal(host)
+}
+
+// authClient returns the authenticated client of host, built on first use.
+func (c *Client) authClient(host string) *auth.Client {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ac := c.hosts[host]; ac != nil {
+		return ac
+	}
+	ac := &auth.Client{
+		Client:     c.http,
+		Cache:      auth.NewCache(),
+		Header:     http.Header{"User-Agent": {"cryo"}},
+		Credential: c.credential,
+	}
+	c.hosts[host] = ac
+	return ac
+}
+
+// credential returns the credential for the registry hostport: the
+// explicit one for CredentialHost only, else what Docker's credential
+// store holds for hostport.
+func (c *Client) credential(ctx context.Context, hostport string) (auth.Credential, error) {
+	if (c.opts.Username != "" || c.opts.Password != "") && sameRegistry(hostport, c.opts.CredentialHost) {
+		return auth.Credential{Username: c.opts.Username, Password: c.opts.Password}, nil
+	}
+	store, err := c.dockerStore()
+	if err != nil {
+		return auth.EmptyCredential, err
+	}
+	return credentials.Credential(store)(ctx, hostport)
+}
+
+// dockerStore returns Docker's credential store, read on first need and
+// read again when its config file has changed since.
+func (c *Client) dockerStore() (credentials.Store, error) {
+	c.storeMu.Lock()
+	defer c.storeMu.Unlock()
+	if c.store != nil {
+		fi, err := os.Stat(c.store.ConfigPath())
+		if unchanged(c.storeStat, fi, err) {
+			return c.store, nil
+		}
+	}
+	store, err := credentials.NewStoreFromDocker(credentials.StoreOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("read Docker credentials: %w", err)
+	}
+	c.store = store
+	c.storeStat, _ = os.Stat(store.ConfigPath())
+	return store, nil
+}
+
+// unchanged reports whether a file that was as before (nil: absent) is
+// still so, given what stat says of it now.
+func unchanged(before, now os.FileInfo, err error) bool {
+	if err != nil {
+		return before == nil
+	}
+	return before != nil && now.ModTime().Equal(before.ModTime()) && now.Size() == before.Size()
+}
+
+// sameRegistry reports whether two registry names are one registry
+// (docker.io is served as registry-1.docker.io).
+func sameRegistry(a, b string) bool {
+	norm := func(h string) string { return registry.Reference{Registry: h}.Host() }
+	return norm(a) == norm(b)
+}
+
+// ParseReference parses "host[:port]/name[:tag|@digest]", giving it
+// DefaultTag if it names neither a tag nor a digest.
+func ParseReference(ref string) (registry.Reference, error) {
+	parsed, err := registry.ParseReference(ref)
+	if err != nil {
+		return registry.Reference{}, fmt.Errorf("reference %q: %w", ref, err)
+	}
+	if parsed.Reference == "" {
+		parsed.Reference = DefaultTag
+	}
+	return parsed, nil
+}
+
+// Repository opens the repository named by ref ("host[:port]/name[:tag|@digest]")
+// with a client of its own, and returns it with the tag or digest ref names
+// (DefaultTag if none). opts' credentials go to ref's registry unless
+// opts.CredentialHost names another. To open several repositories, share
+// a Client instead.
+func Repository(ref string, opts ClientOptions) (*remote.Repository, string, error) {
+	if opts.CredentialHost == "" {
+		parsed, err := ParseReference(ref)
+		if err != nil {
+			return nil, "", err
+		}
+		opts.CredentialHost = parsed.Registry
+	}
+	c, err := NewClient(opts)
 	if err != nil {
 		return nil, "", err
 	}
-	repo.Client = client
-	repo.SkipReferrersGC = true
-	return repo, reference, nil
+	return c.Repository(ref)
 }
 
 // BaseURL is the scheme and host of repo's registry.
@@ -84,7 +240,8 @@ func BaseURL(repo *remote.Repository) string {
 	return scheme + "://" + repo.Reference.Host()
 }
 
-func newClient(opts ClientOptions) (*auth.Client, error) {
+// newTransport is the HTTP transport every registry of a Client shares.
+func newTransport(opts ClientOptions) (*http.Transport, error) {
 	maxConns := opts.MaxConns
 	if maxConns <= 0 {
 		maxConns = 64
@@ -93,6 +250,10 @@ func newClient(opts ClientOptions) (*auth.Client, error) {
 	tr.MaxIdleConns = 4 * maxConns
 	tr.MaxIdleConnsPerHost = maxConns
 	tr.IdleConnTimeout = 90 * time.Second
+	tr.ResponseHeaderTimeout = opts.ResponseHeaderTimeout
+	if tr.ResponseHeaderTimeout <= 0 {
+		tr.ResponseHeaderTimeout = DefaultResponseHeaderTimeout
+	}
 	tr.DialContext = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	if opts.CAFile != "" || opts.Insecure {
 		cfg := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: opts.Insecure}
@@ -112,22 +273,7 @@ func newClient(opts ClientOptions) (*auth.Client, error) {
 		}
 		tr.TLSClientConfig = cfg
 	}
-	c := &auth.Client{
-		Client: &http.Client{Transport: newRetryTransport(tr)},
-		Cache:  auth.NewCache(),
-		Header: http.Header{"User-Agent": {"cryo"}},
-	}
-	if opts.Username != "" || opts.Password != "" {
-		cred := auth.Credential{Username: opts.Username, Password: opts.Password}
-		c.Credential = func(context.Context, string) (auth.Credential, error) { return cred, nil }
-		return c, nil
-	}
-	store, err := credentials.NewStoreFromDocker(credentials.StoreOptions{})
-	if err != nil {
-		return nil, fmt.Errorf("read Docker credentials: %w", err)
-	}
-	c.Credential = credentials.Credential(store)
-	return c, nil
+	return tr, nil
 }
 
 // isLocal reports whether host names this machine.
@@ -149,16 +295,13 @@ func isLocal(host string) bool {
 // credential store (or its credential helper). opts' own credentials are
 // not used.
 func Login(ctx context.Context, host, username, password string, opts ClientOptions) error {
-	reg, err := remote.NewRegistry(host)
+	opts.Username, opts.Password, opts.CredentialHost = "", "", ""
+	c, err := NewClient(opts)
 	if err != nil {
-		return fmt.Errorf("registry %q: %w", host, err)
+		return err
 	}
-	reg.PlainHTTP = isLocal(host)
-	if opts.PlainHTTP != nil {
-		reg.PlainHTTP = *opts.PlainHTTP
-	}
-	opts.Username, opts.Password = username, password
-	if reg.Client, err = newClient(opts); err != nil {
+	reg, err := c.Registry(host)
+	if err != nil {
 		return err
 	}
 	store, err := credentials.NewStoreFromDocker(credentials.StoreOptions{AllowPlaintextPut: true})
@@ -182,7 +325,7 @@ func explain(err error, repo *remote.Repository) error {
 	isResp := errors.As(err, &resp)
 	switch {
 	case errors.Is(err, auth.ErrBasicCredentialNotFound) || (isResp && resp.StatusCode == http.StatusUnauthorized):
-		return fmt.Errorf("%w\nunauthorized: %s needs credentials: run `cryo login %s` or pass -u and -p", err, repo.Reference.Registry, repo.Reference.Registry)
+		return fmt.Errorf("%w\nunauthorized: %s needs credentials: run `cryo login %s`, or pass -u with --password-stdin or --password-file", err, repo.Reference.Registry, repo.Reference.Registry)
 	case isResp && (resp.StatusCode == http.StatusInternalServerError || resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusServiceUnavailable):
 		return fmt.Errorf("%w\nthe registry %s failed on its side (HTTP %d): if its storage is unreachable, its /readyz endpoint says so; read-only mode during gc answers 503 too", err, repo.Reference.Registry, resp.StatusCode)
 	}

@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -132,6 +133,8 @@ func TestChartsRefuseBadValues(t *testing.T) {
 		{"cryo-registry", []string{"auth.htpasswd.enabled=true"}, "auth.htpasswd.existingSecret"},
 		{"cryo-puller", []string{"hostPaths.cache=var/lib/cryo"}, "hostPaths.cache"},
 		{"cryo-puller", []string{"cache.sizeBytes=200Gi"}, "cache.sizeBytes"},
+		{"cryo-puller", []string{"api.socketGroup=docker"}, "api.socketGroup"},
+		{"cryo-puller", []string{"api.maxMounts=lots"}, "api.maxMounts"},
 	} {
 		args := []string{"template", "r", filepath.Join(root, "charts", tc.chart)}
 		for _, s := range tc.set {
@@ -502,7 +505,17 @@ func checkPuller(t *testing.T, r *rendered) {
 	if !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return cache == m.MountPath }) {
 		t.Errorf("--cache=%s is not a host path: the node cache would die with the pod", cache)
 	}
-	fmt.Fprintf(os.Stderr, "%s: fuse %v, privileged %v, mirrors %d\n", r.name, fuse, privileged, strings.Count(strings.Join(c.Args, " "), "--mirror="))
+	// The API socket is root's unless a group is named, by number: a name
+	// would resolve in the image's /etc/group, not the node's.
+	if g := argValue(c.Args, "--socket-group"); g != "" {
+		if _, err := strconv.Atoi(g); err != nil {
+			t.Errorf("--socket-group=%s is not a numeric GID", g)
+		}
+	}
+	if n, err := strconv.Atoi(argValue(c.Args, "--max-mounts")); err != nil || n <= 0 {
+		t.Errorf("--max-mounts=%q: want a positive number", argValue(c.Args, "--max-mounts"))
+	}
+	fmt.Fprintf(os.Stderr, "%s: fuse %v, privileged %v, mirrors %d, socket group %q\n", r.name, fuse, privileged, strings.Count(strings.Join(c.Args, " "), "--mirror="), argValue(c.Args, "--socket-group"))
 }
 
 func argValue(args []string, flag string) string {

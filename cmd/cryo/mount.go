@@ -13,10 +13,8 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller"
-	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/spf13/cobra"
-	"oras.land/oras-go/v2/registry/remote"
 )
 
 // pullerFlags are the flags of every command that runs a puller.
@@ -30,14 +28,17 @@ type pullerFlags struct {
 	deadline  time.Duration
 	prefetch  string
 	readLog   string
+	// client is shared by every reference resolved (the daemon's too),
+	// built on first use.
+	client *transfer.Client
 }
 
-func (f *pullerFlags) register(cmd *cobra.Command) {
-	f.ro.register(cmd)
+func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
+	f.ro.registerWith(cmd, creds)
 	fl := cmd.Flags()
 	fl.StringVar(&f.cacheDir, "cache", "/var/lib/cryo", "node cache directory, shared by every snapshot and mount on the node")
 	fl.Int64Var(&f.cacheSize, "cache-size", 0, "node cache size cap in bytes (0: no cap); chunks of live mounts are never evicted")
-	fl.StringSliceVar(&f.mirrors, "mirror", nil, "mirror registry host[:port] to try before the reference's own registry (repeatable, in order)")
+	fl.StringSliceVar(&f.mirrors, "mirror", nil, "mirror registry host[:port], asked for content by digest before the reference's own registry (repeatable, in order); tags resolve at the reference's registry only")
 	fl.BoolVar(&f.noFUSE, "no-fuse", false, "do not use FUSE: pull the whole snapshot before returning")
 	fl.IntVar(&f.workers, "workers", 12, "chunks fetched at once")
 	fl.DurationVar(&f.deadline, "deadline", 5*time.Minute, "how long a chunk is retried before its read fails")
@@ -45,22 +46,38 @@ func (f *pullerFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.prefetch, "prefetch-list", "", `JSON file of byte ranges to load first, in order: [{"path": "pages.img", "offset": 0, "length": 1048576}, ...]`)
 }
 
-func (f *pullerFlags) open() (*puller.Puller, error) {
+// options are the puller's options from the flags.
+func (f *pullerFlags) options() (puller.Options, error) {
 	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, NoFUSE: f.noFUSE}
 	if f.readLog != "" {
 		w, err := os.Create(f.readLog)
 		if err != nil {
-			return nil, fmt.Errorf("--read-log: %w", err)
+			return opts, fmt.Errorf("--read-log: %w", err)
 		}
 		opts.ReadLog = w
+	}
+	return opts, nil
+}
+
+func (f *pullerFlags) open() (*puller.Puller, error) {
+	opts, err := f.options()
+	if err != nil {
+		return nil, err
 	}
 	return puller.New(opts)
 }
 
-// source resolves ref on the mirrors, then on its own registry, and
-// returns the snapshot and its endpoints in that order.
+// source resolves ref (a tag at its own registry only) and returns the
+// snapshot with its endpoints: the mirrors, then ref's registry.
 func (f *pullerFlags) source(ctx context.Context, ref string) (puller.Source, error) {
-	src, err := resolveSource(ctx, ref, f.mirrors, f.ro.clientOptions())
+	if f.client == nil {
+		c, err := f.ro.client(ref)
+		if err != nil {
+			return puller.Source{}, err
+		}
+		f.client = c
+	}
+	src, err := puller.Resolve(ctx, ref, puller.ResolveOptions{Mirrors: f.mirrors, Client: f.client})
 	if err != nil || f.prefetch == "" {
 		return src, err
 	}
@@ -72,35 +89,6 @@ func (f *pullerFlags) source(ctx context.Context, ref string) (puller.Source, er
 		return src, fmt.Errorf("prefetch list %s: %w", f.prefetch, err)
 	}
 	return src, nil
-}
-
-func resolveSource(ctx context.Context, ref string, mirrors []string, opts transfer.ClientOptions) (puller.Source, error) {
-	repo, tag, err := transfer.Repository(ref, opts)
-	if err != nil {
-		return puller.Source{}, err
-	}
-	var eps []fetch.Endpoint
-	for _, m := range mirrors {
-		mref := m + "/" + repo.Reference.Repository + ":" + tag
-		if strings.HasPrefix(tag, "sha256:") {
-			mref = m + "/" + repo.Reference.Repository + "@" + tag
-		}
-		mrepo, _, err := transfer.Repository(mref, opts)
-		if err != nil {
-			return puller.Source{}, fmt.Errorf("mirror %s: %w", m, err)
-		}
-		eps = append(eps, fetch.Endpoint{Name: m, Store: mrepo})
-	}
-	eps = append(eps, fetch.Endpoint{Name: repo.Reference.Registry, Store: repo})
-	var errs []string
-	for _, ep := range eps {
-		desc, err := ep.Store.(*remote.Repository).Resolve(ctx, tag)
-		if err == nil {
-			return puller.Source{Index: desc, Endpoints: eps}, nil
-		}
-		errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
-	}
-	return puller.Source{}, fmt.Errorf("resolve %s: %s", ref, strings.Join(errs, "; "))
 }
 
 func newMountCmd() *cobra.Command {
@@ -123,6 +111,9 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
+			if err := noCoreDumps(); err != nil {
+				return err
+			}
 			p, err := pf.open()
 			if err != nil {
 				return err
@@ -155,7 +146,7 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 			return nil
 		},
 	}
-	pf.register(cmd)
+	pf.register(cmd, withCredentials)
 	return cmd
 }
 
@@ -187,6 +178,9 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 		Args: cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
+			if err := noCoreDumps(); err != nil {
+				return err
+			}
 			ref, restoreArgs := args[0], args[1:]
 			id := restoreArgs[len(restoreArgs)-1]
 			// stdout belongs to the container: cryo's messages go to stderr.
@@ -216,10 +210,11 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 			if err := checkSnapshotVersion(ctx, src, localVersion, ref); err != nil {
 				return err
 			}
-			dir := p.MaterializedDir(src.Index.Digest)
+			dir, materialized := p.Materialized(src.Index.Digest)
 			mode := "materialized"
 			var m *puller.Mount
-			if _, err := os.Stat(dir); err != nil {
+			if !materialized {
+				var err error
 				if mountDir == "" {
 					mountDir = filepath.Join(pf.cacheDir, "mounts", id)
 				}
@@ -266,7 +261,7 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 			return nil
 		},
 	}
-	pf.register(cmd)
+	pf.register(cmd, noPasswordStdin)
 	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "runsc binary")
 	cmd.Flags().StringArrayVar(&runscFlags, "runsc-flag", nil, "global runsc flag, e.g. --runsc-flag=--root=/run/runsc (repeatable)")
 	cmd.Flags().StringVar(&mountDir, "mount-dir", "", "where to mount the snapshot (default: <cache>/mounts/<container id>)")
@@ -312,17 +307,12 @@ func runscVersion(runsc string) (string, error) {
 // another runsc version than local (runsc would refuse it after the mount).
 // It reads only the snapshot's index.
 func checkSnapshotVersion(ctx context.Context, src puller.Source, local, ref string) error {
-	var errs []string
-	for _, ep := range src.Endpoints {
-		snap, err := format.LoadSnapshot(ctx, ep.Store, src.Index)
-		if err != nil {
-			errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
-			continue
-		}
-		if v := snap.RunscVersion(); v != "" && v != local {
-			return fmt.Errorf("snapshot %s was checkpointed by runsc %q, local runsc is %q: runsc restores only its own version's checkpoints", ref, v, local)
-		}
-		return nil
+	snap, err := format.LoadSnapshot(ctx, puller.Failover(src.Endpoints), src.Index)
+	if err != nil {
+		return fmt.Errorf("snapshot %s: %w", ref, err)
 	}
-	return fmt.Errorf("snapshot %s: %s", ref, strings.Join(errs, "; "))
+	if v := snap.RunscVersion(); v != "" && v != local {
+		return fmt.Errorf("snapshot %s was checkpointed by runsc %q, local runsc is %q: runsc restores only its own version's checkpoints", ref, v, local)
+	}
+	return nil
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/daemon"
 	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/transfer"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
@@ -33,6 +34,8 @@ func newPullerServeCmd() *cobra.Command {
 		pf                pullerFlags
 		socket, mountsDir string
 		metricsAddr       string
+		socketGroup       string
+		maxMounts         int
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -43,6 +46,7 @@ mount is an image dir under --mounts for runsc restore --image-path, served
 lazily from the node cache and the registry (mirrors first):
 
   POST   /v1/mounts            {"ref": "host/repo:tag"}  -> {"id", "dir", ...}
+                               (503 at --max-mounts live mounts)
   GET    /v1/mounts            list with progress (bytes local/total,
                                demand fetches, time to ready and to loaded)
   GET    /v1/mounts/{id}
@@ -51,18 +55,43 @@ lazily from the node cache and the registry (mirrors first):
   GET    /metrics              Prometheus metrics (also on --metrics-addr,
                                which serves only /metrics and /healthz)
 
+The socket is 0600 (root's): whoever can connect can mount and read any
+snapshot the puller's credentials reach. --socket-group opens it (0660) to
+one group. The node cache and --mounts are made 0700. Registry credentials
+come from Docker's credential store only (DOCKER_CONFIG), never from flags:
+a reference posted to the API may name any registry. At most --max-mounts
+mounts are live at once; a mount request over it gets 503.
+
 Logs are structured (JSON) on stderr.`,
 		Example: `  cryo puller serve --socket /run/cryo/puller.sock --cache /var/lib/cryo --mirror mirror.eu:5000
   curl --unix-socket /run/cryo/puller.sock -d '{"ref":"registry:5000/app:v1"}' http://puller/v1/mounts`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
+			if err := noCoreDumps(); err != nil {
+				return err
+			}
+			gid := -1
+			if socketGroup != "" {
+				g, err := daemon.LookupGroup(socketGroup)
+				if err != nil {
+					return fmt.Errorf("--socket-group: %w", err)
+				}
+				gid = g
+			}
 			log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
 			reg := prometheus.NewRegistry()
 			reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-			p, err := puller.New(puller.Options{CacheDir: pf.cacheDir, CacheCap: pf.cacheSize, Workers: pf.workers, Deadline: pf.deadline,
-				NoFUSE: pf.noFUSE, Logger: log, FetchMetrics: fetch.NewMetrics(reg)})
+			opts, err := pf.options()
 			if err != nil {
+				return err
+			}
+			opts.Logger, opts.FetchMetrics = log, fetch.NewMetrics(reg)
+			p, err := puller.New(opts)
+			if err != nil {
+				return err
+			}
+			if pf.client, err = transfer.NewClient(pf.ro.connOptions()); err != nil {
 				return err
 			}
 			if !pf.noFUSE && !puller.FUSEAvailable() {
@@ -71,25 +100,21 @@ Logs are structured (JSON) on stderr.`,
 			if mountsDir == "" {
 				mountsDir = filepath.Join(pf.cacheDir, "mounts")
 			}
-			resolve := func(ctx context.Context, ref string) (puller.Source, error) {
-				return pf.source(ctx, ref)
-			}
 			if n, err := puller.CleanStaleMounts(mountsDir); err != nil {
 				log.Warn("stale mounts of a previous puller", "dir", mountsDir, "detached", n, "err", err)
 			} else if n > 0 {
 				log.Info("detached stale mounts of a previous puller", "dir", mountsDir, "count", n)
 			}
-			d := daemon.New(p, resolve, mountsDir, log, reg, reg)
-			defer d.Close()
-			if err := os.MkdirAll(filepath.Dir(socket), 0o755); err != nil {
+			d, err := daemon.New(p, pf.source, daemon.Options{MountsDir: mountsDir, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
+			if err != nil {
 				return err
 			}
-			os.Remove(socket)
-			ln, err := net.Listen("unix", socket)
+			defer d.Close()
+			ln, err := daemon.Listen(socket, gid)
 			if err != nil {
-				return fmt.Errorf("listen on %s: %w", socket, err)
+				return err
 			}
-			defer os.Remove(socket)
+			defer ln.Close()
 			srv := &http.Server{Handler: d.Handler(), ReadHeaderTimeout: 10 * time.Second}
 			errc := make(chan error, 2)
 			go func() { errc <- srv.Serve(ln) }()
@@ -102,7 +127,7 @@ Logs are structured (JSON) on stderr.`,
 				msrv = &http.Server{Handler: d.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second}
 				go func() { errc <- msrv.Serve(mln) }()
 			}
-			log.Info("puller serving", "socket", socket, "cache", pf.cacheDir, "mounts", mountsDir, "mirrors", pf.mirrors, "metrics", metricsAddr)
+			log.Info("puller serving", "socket", socket, "socket_group", gid, "cache", pf.cacheDir, "mounts", mountsDir, "mirrors", pf.mirrors, "max_mounts", maxMounts, "metrics", metricsAddr)
 			fmt.Fprintf(cmd.OutOrStdout(), "cryo puller listening on %s\n", socket)
 			select {
 			case err := <-errc:
@@ -119,8 +144,10 @@ Logs are structured (JSON) on stderr.`,
 			return srv.Shutdown(shutdown)
 		},
 	}
-	pf.register(cmd)
-	cmd.Flags().StringVar(&socket, "socket", "/run/cryo/puller.sock", "unix socket of the API")
+	pf.register(cmd, noCredentials)
+	cmd.Flags().StringVar(&socket, "socket", "/run/cryo/puller.sock", "unix socket of the API (0600)")
+	cmd.Flags().StringVar(&socketGroup, "socket-group", "", "group (name or id) that may use the API socket too (0660); default: root only")
+	cmd.Flags().IntVar(&maxMounts, "max-mounts", daemon.DefaultMaxMounts, "live mounts at most; a mount request over it gets 503")
 	cmd.Flags().StringVar(&mountsDir, "mounts", "", "where mounts are made (default <cache>/mounts); must be visible to runsc")
 	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve /metrics and /healthz (not the mount API, which stays on --socket) on this TCP address, e.g. :9102")
 	return cmd

@@ -1,11 +1,8 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
-	"io"
 	"os"
-	"strings"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/progress"
@@ -31,7 +28,8 @@ The snapshot index is pushed last and tagged, so an interrupted push leaves no
 visible snapshot; pushing again uploads only what is still missing.
 
 REF is host[:port]/repository[:tag] (default tag "latest"). Credentials come
-from Docker's config and credential helpers (see cryo login), or -u/-p.`,
+from Docker's config and credential helpers (see cryo login), or -u with
+--password-stdin, --password-file or -p.`,
 		Example: `  cryo push /tmp/img localhost:5000/myapp:v1`,
 		Args:    cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -141,7 +139,7 @@ func newCopyCmd() *cobra.Command {
 DST, skipping everything DST already has. Within one registry, blobs are
 cross-repository mounted instead of transferred. The index is written last,
 so DST never shows a partial snapshot. Both registries use the same
---plain-http and credentials settings.`,
+--plain-http setting; -u and a password, if given, go to both.`,
 		Example: `  cryo copy registry-eu.example.com/app:v1 registry-us.example.com/app:v1`,
 		Args:    cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -172,10 +170,7 @@ so DST never shows a partial snapshot. Both registries use the same
 }
 
 func newLoginCmd() *cobra.Command {
-	var (
-		ro            remoteOptions
-		passwordStdin bool
-	)
+	var ro remoteOptions
 	cmd := &cobra.Command{
 		Use:   "login REGISTRY",
 		Short: "Log in to a registry and store the credentials for cryo, docker and oras",
@@ -185,18 +180,14 @@ and oras all find them.`,
 		Example: `  echo "$TOKEN" | cryo login registry.example.com -u ci --password-stdin`,
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			password := ro.password
-			if passwordStdin {
-				line, err := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
-				if err != nil && err != io.EOF {
-					return fmt.Errorf("read password from stdin: %w", err)
-				}
-				password = strings.TrimRight(line, "\r\n")
+			password, err := ro.secretPassword()
+			if err != nil {
+				return err
 			}
 			if ro.username == "" || password == "" {
-				return fmt.Errorf("need --username and --password or --password-stdin")
+				return fmt.Errorf("need --username and --password-stdin, --password-file or --password")
 			}
-			if err := transfer.Login(cmd.Context(), args[0], ro.username, password, ro.clientOptions()); err != nil {
+			if err := transfer.Login(cmd.Context(), args[0], ro.username, password, ro.connOptions()); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "logged in to %s\n", args[0])
@@ -204,6 +195,5 @@ and oras all find them.`,
 		},
 	}
 	ro.register(cmd)
-	cmd.Flags().BoolVar(&passwordStdin, "password-stdin", false, "read the password from standard input")
 	return cmd
 }

@@ -2,13 +2,19 @@
 // socket by `cryo puller serve` (one per node, as a DaemonSet runs it):
 //
 //	POST   /v1/mounts            {"ref": "host/repo:tag"} -> 201 Mount
+//	                             (503 at Options.MaxMounts live mounts)
 //	GET    /v1/mounts            -> [Mount]
 //	GET    /v1/mounts/{id}       -> Mount
 //	POST   /v1/mounts/{id}/wait  -> Mount, once every chunk is local
-//	DELETE /v1/mounts/{id}       -> 204, unmounted
+//	DELETE /v1/mounts/{id}       -> 204, unmounted (404 to all but one of
+//	                             concurrent DELETEs of a mount)
 //	GET    /metrics              Prometheus metrics
 //
 // A Mount's "dir" is an image dir for runsc restore --image-path.
+//
+// Whoever can connect to the socket can mount any snapshot the puller's
+// credentials reach and read it: Listen makes the socket 0600 (root's), or
+// 0660 for one group.
 package daemon
 
 import (
@@ -16,39 +22,70 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
+	"os"
+	"os/user"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sys/unix"
 )
 
 // Resolver turns a reference into a snapshot source (endpoints in order).
 type Resolver func(ctx context.Context, ref string) (puller.Source, error)
+
+// DefaultMaxMounts is the default cap on live mounts.
+const DefaultMaxMounts = 256
+
+// Options configure a Daemon.
+type Options struct {
+	// MountsDir is where mounts are made, one 0700 dir per mount; New
+	// creates it 0700 (and makes an existing one 0700).
+	MountsDir string
+	// MaxMounts caps live mounts (mounts being made count too); a request
+	// over it is refused with 503 (0: DefaultMaxMounts).
+	MaxMounts int
+	// Logger receives structured logs (default slog.Default()).
+	Logger *slog.Logger
+	// Registerer receives the daemon's metrics; Gatherer is what /metrics
+	// serves. Default: a registry of their own.
+	Registerer prometheus.Registerer
+	Gatherer   prometheus.Gatherer
+}
 
 // Daemon serves the API.
 type Daemon struct {
 	p         *puller.Puller
 	resolve   Resolver
 	mountsDir string
+	max       int
 	log       *slog.Logger
 	gatherer  prometheus.Gatherer
 	readyHist prometheus.Histogram
 	loadHist  prometheus.Histogram
 
-	mu     sync.Mutex
-	mounts map[string]*entry
+	mu       sync.Mutex
+	mounts   map[string]*entry
+	creating int // mounts being made, counted against max
 }
 
 type entry struct {
 	id, ref string
 	m       *puller.Mount
 	created time.Time
+	// deleting is set by the one DELETE that unmounts the entry; others
+	// get 404.
+	deleting bool
 }
 
 // Mount is the API's view of a mount.
@@ -59,21 +96,112 @@ type Mount struct {
 	puller.Progress
 }
 
-// New returns a Daemon that mounts under mountsDir. reg receives the
-// daemon's metrics; gatherer is what /metrics serves.
-func New(p *puller.Puller, resolve Resolver, mountsDir string, log *slog.Logger, reg prometheus.Registerer, gatherer prometheus.Gatherer) *Daemon {
-	d := &Daemon{p: p, resolve: resolve, mountsDir: mountsDir, log: log, gatherer: gatherer, mounts: map[string]*entry{},
+// New returns a Daemon that mounts under opts.MountsDir. It makes the
+// node cache and the mounts dir 0700: what they hold is snapshot memory.
+func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
+	if opts.MountsDir == "" {
+		return nil, errors.New("daemon: no mounts dir")
+	}
+	if opts.MaxMounts <= 0 {
+		opts.MaxMounts = DefaultMaxMounts
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Registerer == nil || opts.Gatherer == nil {
+		reg := prometheus.NewRegistry()
+		opts.Registerer, opts.Gatherer = reg, reg
+	}
+	for _, dir := range []string{p.Cache().Root(), opts.MountsDir} {
+		if err := privateDir(dir); err != nil {
+			return nil, err
+		}
+	}
+	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{},
 		readyHist: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_ready_seconds", Help: "Time from a mount request until its image dir is ready.", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 		loadHist:  prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_loaded_seconds", Help: "Time from a mount request until every chunk is local.", Buckets: prometheus.ExponentialBuckets(0.05, 2, 14)}),
 	}
-	reg.MustRegister(d.readyHist, d.loadHist, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cryo_puller_cache_bytes", Help: "Bytes in the node cache."}, func() float64 {
+	if err := registerAll(opts.Registerer, d.readyHist, d.loadHist, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cryo_puller_cache_bytes", Help: "Bytes in the node cache."}, func() float64 {
 		return float64(p.Cache().Stats().Bytes)
 	}), prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cryo_puller_mounts", Help: "Live mounts."}, func() float64 {
 		d.mu.Lock()
 		defer d.mu.Unlock()
 		return float64(len(d.mounts))
-	}))
-	return d
+	})); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+func registerAll(reg prometheus.Registerer, cs ...prometheus.Collector) error {
+	for _, c := range cs {
+		if err := reg.Register(c); err != nil {
+			return fmt.Errorf("daemon metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+// privateDir creates dir (and its parents) if needed and makes it 0700.
+func privateDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("make %s private: %w", dir, err)
+	}
+	return nil
+}
+
+// Listen creates the API's unix socket at path (replacing the socket a
+// previous puller left there, never another kind of file) and listens on
+// it. The socket is 0600, its owner's only; with gid >= 0 it is 0660 and
+// group gid's too. It never exists with a wider mode: it is created under
+// umask 0177 (the umask is the process's, so files other goroutines create
+// meanwhile get no wider modes either), then opened to the group.
+func Listen(path string, gid int) (net.Listener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode().Type() != os.ModeSocket {
+			return nil, fmt.Errorf("socket %s: a %s is there, not a socket", path, fi.Mode().Type())
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("remove stale socket: %w", err)
+		}
+	}
+	old := unix.Umask(0o177)
+	ln, err := net.Listen("unix", path)
+	unix.Umask(old)
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	mode := os.FileMode(0o600)
+	if gid >= 0 {
+		mode = 0o660
+		if err := os.Chown(path, -1, gid); err != nil {
+			ln.Close()
+			return nil, fmt.Errorf("socket %s: group %d: %w", path, gid, err)
+		}
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("socket %s: %w", path, err)
+	}
+	return ln, nil
+}
+
+// LookupGroup returns the id of the group named (or numbered) s.
+func LookupGroup(s string) (int, error) {
+	if gid, err := strconv.Atoi(s); err == nil && gid >= 0 {
+		return gid, nil
+	}
+	g, err := user.LookupGroup(s)
+	if err != nil {
+		return -1, err
+	}
+	return strconv.Atoi(g.Gid)
 }
 
 // Handler is the API's HTTP handler.
@@ -103,6 +231,9 @@ func (d *Daemon) Close() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for id, e := range d.mounts {
+		if e.deleting {
+			continue // its DELETE unmounts it
+		}
 		if err := e.m.Unmount(); err != nil {
 			d.log.Error("unmount", "id", id, "err", err)
 		}
@@ -118,6 +249,28 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusBadRequest, "want a JSON body {\"ref\": \"host/repo:tag\"}")
 		return
 	}
+	d.mu.Lock()
+	if n := len(d.mounts) + d.creating; n >= d.max {
+		d.mu.Unlock()
+		w.Header().Set("Retry-After", "10")
+		httpError(w, http.StatusServiceUnavailable, fmt.Sprintf("the puller holds %d mounts, its limit (--max-mounts %d): unmount one first", n, d.max))
+		return
+	}
+	d.creating++
+	d.mu.Unlock()
+	// done ends the reservation, adding e (if any) to the live mounts.
+	var once sync.Once
+	done := func(e *entry) {
+		once.Do(func() {
+			d.mu.Lock()
+			d.creating--
+			if e != nil {
+				d.mounts[e.id] = e
+			}
+			d.mu.Unlock()
+		})
+	}
+	defer done(nil)
 	src, err := d.resolve(r.Context(), req.Ref)
 	if err != nil {
 		httpError(w, http.StatusBadGateway, err.Error())
@@ -126,13 +279,20 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	var b [6]byte
 	rand.Read(b[:])
 	id := hex.EncodeToString(b[:])
-	m, err := d.p.Mount(r.Context(), src, filepath.Join(d.mountsDir, id))
+	dir := filepath.Join(d.mountsDir, id)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		httpError(w, http.StatusInternalServerError, fmt.Sprintf("mount point: %v", err))
+		return
+	}
+	m, err := d.p.Mount(r.Context(), src, dir)
 	if err != nil {
+		os.Remove(dir)
 		d.log.Error("mount", "ref", req.Ref, "err", err)
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
 	}
 	e := &entry{id: id, ref: req.Ref, m: m, created: time.Now()}
+	done(e)
 	d.readyHist.Observe(m.Progress().ReadyAfter)
 	go func() {
 		<-m.Loaded()
@@ -140,9 +300,6 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 			d.loadHist.Observe(pr.LoadedAfter)
 		}
 	}()
-	d.mu.Lock()
-	d.mounts[id] = e
-	d.mu.Unlock()
 	d.log.Info("mounted", "id", id, "ref", req.Ref, "digest", src.Index.Digest, "dir", m.Dir(), "mode", m.Progress().Mode, "ready_ms", m.Progress().ReadyAfter*1000)
 	writeJSON(w, http.StatusCreated, view(e))
 }
@@ -186,18 +343,32 @@ func (d *Daemon) wait(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// delete unmounts a mount. Of concurrent DELETEs of one mount, one
+// unmounts it and the others get 404, so its chunks are unpinned once.
 func (d *Daemon) delete(w http.ResponseWriter, r *http.Request) {
-	e := d.lookup(w, r)
-	if e == nil {
+	id := r.PathValue("id")
+	d.mu.Lock()
+	e := d.mounts[id]
+	if e == nil || e.deleting {
+		d.mu.Unlock()
+		httpError(w, http.StatusNotFound, "no mount "+id)
 		return
 	}
-	if err := e.m.Unmount(); err != nil {
+	e.deleting = true
+	d.mu.Unlock()
+	err := e.m.Unmount()
+	d.mu.Lock()
+	if err != nil {
+		e.deleting = false // still listed: the caller may try again
+	} else {
+		delete(d.mounts, id)
+	}
+	d.mu.Unlock()
+	if err != nil {
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
 	}
-	d.mu.Lock()
-	delete(d.mounts, e.id)
-	d.mu.Unlock()
+	os.Remove(e.m.Dir())
 	d.log.Info("unmounted", "id", e.id, "ref", e.ref)
 	w.WriteHeader(http.StatusNoContent)
 }

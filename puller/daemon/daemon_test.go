@@ -4,14 +4,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 
 	"github.com/cryo-oci/cryo/internal/synth"
@@ -22,12 +26,23 @@ import (
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
+	"golang.org/x/sys/unix"
 )
 
-// TestAPI drives the daemon over a real unix socket: mount a snapshot from
-// a real registry, list it, wait until loaded, read its bytes, check the
-// metrics, unmount.
-func TestAPI(t *testing.T) {
+// testDaemon is a daemon over a real unix socket, mounting from a real
+// registry that holds one snapshot, host/app:v1.
+type testDaemon struct {
+	d      *Daemon
+	p      *puller.Puller
+	img    string // the snapshot's image dir
+	ref    string
+	sock   string
+	mounts string
+	client *http.Client
+}
+
+func newTestDaemon(t *testing.T, opts Options) *testDaemon {
+	t.Helper()
 	if os.Geteuid() != 0 || !puller.FUSEAvailable() {
 		testenv.SkipOrFatal(t, "needs root and /dev/fuse")
 	}
@@ -39,7 +54,7 @@ func TestAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	hs := httptest.NewServer(srv.Handler())
-	defer hs.Close()
+	t.Cleanup(hs.Close)
 	host := strings.TrimPrefix(hs.URL, "http://")
 	img := filepath.Join(t.TempDir(), "img")
 	synth.ImageDir(img, synth.HalfZero, 8<<20, 1)
@@ -53,42 +68,85 @@ func TestAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	resolve := func(ctx context.Context, ref string) (puller.Source, error) {
-		r, tag, err := transfer.Repository(ref, transfer.ClientOptions{})
-		if err != nil {
-			return puller.Source{}, err
-		}
-		desc, err := r.Resolve(ctx, tag)
-		return puller.Source{Index: desc, Endpoints: []fetch.Endpoint{{Name: r.Reference.Registry, Store: r}}}, err
-	}
-	d := New(p, resolve, t.TempDir(), slog.Default(), reg, reg)
-	defer d.Close()
-	sock := filepath.Join(t.TempDir(), "puller.sock")
-	ln, err := net.Listen("unix", sock)
+	client, err := transfer.NewClient(transfer.ClientOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	go http.Serve(ln, d.Handler())
-	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
-	}}}
+	resolve := func(ctx context.Context, ref string) (puller.Source, error) {
+		return puller.Resolve(ctx, ref, puller.ResolveOptions{Client: client})
+	}
+	if opts.MountsDir == "" {
+		opts.MountsDir = filepath.Join(t.TempDir(), "mounts")
+	}
+	opts.Logger, opts.Registerer, opts.Gatherer = slog.Default(), reg, reg
+	d, err := New(p, resolve, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Close)
+	sock := filepath.Join(t.TempDir(), "puller.sock")
+	ln, err := Listen(sock, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hsrv := &http.Server{Handler: d.Handler()}
+	go hsrv.Serve(ln)
+	t.Cleanup(func() { hsrv.Close() })
+	return &testDaemon{d: d, p: p, img: img, ref: host + "/app:v1", sock: sock, mounts: opts.MountsDir,
+		client: &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+		}}}}
+}
+
+// do sends a request and returns the status and body.
+func (td *testDaemon) do(t *testing.T, method, path, body string) (int, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(method, "http://puller"+path, strings.NewReader(body))
+	resp, err := td.client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, data
+}
+
+// call sends a request and fails the test unless it gets want.
+func (td *testDaemon) call(t *testing.T, method, path, body string, want int) []byte {
+	t.Helper()
+	code, data := td.do(t, method, path, body)
+	if code != want {
+		t.Fatalf("%s %s: %d %s, want %d", method, path, code, data, want)
+	}
+	return data
+}
+
+func (td *testDaemon) mount(t *testing.T) Mount {
+	t.Helper()
+	var m Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`"}`, http.StatusCreated), &m)
+	return m
+}
+
+// TestAPI drives the daemon over a real unix socket: mount a snapshot from
+// a real registry, list it, wait until loaded, read its bytes, check the
+// metrics, unmount. The node cache, the mounts dir and each mount dir are
+// 0700.
+func TestAPI(t *testing.T) {
+	td := newTestDaemon(t, Options{})
+	img := td.img
 	call := func(method, path, body string, want int) []byte {
 		t.Helper()
-		req, _ := http.NewRequest(method, "http://puller"+path, strings.NewReader(body))
-		resp, err := client.Do(req)
-		if err != nil {
-			t.Fatal(err)
+		return td.call(t, method, path, body, want)
+	}
+	for _, dir := range []string{td.p.Cache().Root(), td.mounts} {
+		if fi, err := os.Stat(dir); err != nil || fi.Mode().Perm() != 0o700 {
+			t.Errorf("%s: %v %v, want 0700", dir, fi.Mode(), err)
 		}
-		defer resp.Body.Close()
-		data, _ := io.ReadAll(resp.Body)
-		if resp.StatusCode != want {
-			t.Fatalf("%s %s: %s %s", method, path, resp.Status, data)
-		}
-		return data
 	}
 	call("POST", "/v1/mounts", `{"ref": "nope"}`, http.StatusBadGateway)
 	var m Mount
-	json.Unmarshal(call("POST", "/v1/mounts", `{"ref": "`+host+`/app:v1"}`, http.StatusCreated), &m)
+	json.Unmarshal(call("POST", "/v1/mounts", `{"ref": "`+td.ref+`"}`, http.StatusCreated), &m)
 	if m.ID == "" || m.Dir == "" || m.Mode != "fuse" {
 		t.Fatalf("mount: %+v", m)
 	}
@@ -114,9 +172,12 @@ func TestAPI(t *testing.T) {
 	}
 	call("DELETE", "/v1/mounts/"+m.ID, "", http.StatusNoContent)
 	call("GET", "/v1/mounts/"+m.ID, "", http.StatusNotFound)
+	if _, err := os.Stat(m.Dir); !os.IsNotExist(err) {
+		t.Errorf("mount dir %s left after unmount: %v", m.Dir, err)
+	}
 
 	// The TCP (metrics) handler serves metrics and health, never the mount API.
-	mh := d.MetricsHandler()
+	mh := td.d.MetricsHandler()
 	for _, tc := range []struct {
 		method, path string
 		want         int
@@ -127,4 +188,184 @@ func TestAPI(t *testing.T) {
 			t.Errorf("metrics handler %s %s: %d, want %d", tc.method, tc.path, rec.Code, tc.want)
 		}
 	}
+}
+
+// TestMaxMounts: mounts over --max-mounts are refused with 503 and a clear
+// error; unmounting one makes room again.
+func TestMaxMounts(t *testing.T) {
+	td := newTestDaemon(t, Options{MaxMounts: 2})
+	a := td.mount(t)
+	td.mount(t)
+	code, body := td.do(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`"}`)
+	if code != http.StatusServiceUnavailable || !strings.Contains(string(body), "--max-mounts 2") {
+		t.Fatalf("third mount with --max-mounts 2: %d %s, want 503 naming the limit", code, body)
+	}
+	td.call(t, "DELETE", "/v1/mounts/"+a.ID, "", http.StatusNoContent)
+	td.mount(t)
+}
+
+// TestConcurrentDeletes: of several concurrent DELETEs of one mount,
+// exactly one unmounts it (204) and the others find no mount (404), so its
+// chunks are unpinned once; another mount of the same snapshot still
+// serves its bytes.
+func TestConcurrentDeletes(t *testing.T) {
+	td := newTestDaemon(t, Options{})
+	a, b := td.mount(t), td.mount(t)
+	const n = 8
+	codes := make(chan int, n)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			code, _ := td.do(t, "DELETE", "/v1/mounts/"+a.ID, "")
+			codes <- code
+		}()
+	}
+	close(start)
+	wg.Wait()
+	close(codes)
+	count := map[int]int{}
+	for c := range codes {
+		count[c]++
+	}
+	if count[http.StatusNoContent] != 1 || count[http.StatusNotFound] != n-1 {
+		t.Fatalf("%d concurrent DELETEs of one mount: %v, want one 204 and %d 404", n, count, n-1)
+	}
+	td.call(t, "POST", "/v1/mounts/"+b.ID+"/wait", "", http.StatusOK)
+	got, _ := os.ReadFile(filepath.Join(b.Dir, "pages.img"))
+	want, _ := os.ReadFile(filepath.Join(td.img, "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("the other mount's pages.img differs")
+	}
+}
+
+// dialEnv, when set, makes the test binary a client: it dials the socket
+// it names, asks GET /healthz and exits 0 on 200, 3 otherwise.
+const dialEnv = "CRYO_DAEMON_TEST_DIAL"
+
+func TestMain(m *testing.M) {
+	if sock := os.Getenv(dialEnv); sock != "" {
+		c := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+		}}}
+		resp, err := c.Get("http://puller/healthz")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(3)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			fmt.Fprintln(os.Stderr, resp.Status)
+			os.Exit(3)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestSocketModes: the API socket is 0600 even under umask 0, and user
+// nobody (a real other uid, via setpriv) cannot connect; with a socket
+// group it is 0660 and that group's members connect, others still not. A
+// stale socket is replaced; another kind of file is not.
+func TestSocketModes(t *testing.T) {
+	if os.Geteuid() != 0 {
+		testenv.SkipOrFatal(t, "needs root to run a client as another user")
+	}
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil {
+		testenv.SkipOrFatal(t, "no setpriv: %v", err)
+	}
+	// A copy of this test binary that user nobody can run, as the client.
+	dir := t.TempDir()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := filepath.Join(dir, "client")
+	if err := os.WriteFile(client, data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for d := dir; d != os.TempDir() && d != "/"; d = filepath.Dir(d) {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dial := func(sock, gid string) error {
+		cmd := exec.Command(setpriv, "--reuid=nobody", "--regid="+gid, "--clear-groups", client)
+		cmd.Env = append(os.Environ(), dialEnv+"="+sock)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		return nil
+	}
+	serve := func(t *testing.T, gid int) string {
+		t.Helper()
+		sock := filepath.Join(dir, "run", "puller.sock")
+		old := unix.Umask(0)
+		ln, err := Listen(sock, gid)
+		unix.Umask(old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })}
+		go srv.Serve(ln)
+		t.Cleanup(func() { srv.Close() })
+		if err := os.Chmod(filepath.Dir(sock), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return sock
+	}
+	checkMode := func(t *testing.T, sock string, perm os.FileMode, gid int) {
+		t.Helper()
+		fi, err := os.Stat(sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode().Type() != os.ModeSocket || fi.Mode().Perm() != perm {
+			t.Errorf("socket mode %v, want socket %v", fi.Mode(), perm)
+		}
+		if gid >= 0 && int(fi.Sys().(*syscall.Stat_t).Gid) != gid {
+			t.Errorf("socket group %d, want %d", fi.Sys().(*syscall.Stat_t).Gid, gid)
+		}
+	}
+
+	t.Run("root only", func(t *testing.T) {
+		sock := serve(t, -1)
+		checkMode(t, sock, 0o600, -1)
+		if err := dial(sock, "nogroup"); err == nil {
+			t.Error("user nobody connected to the API socket")
+		}
+	})
+	t.Run("socket group", func(t *testing.T) {
+		gid, err := LookupGroup("nogroup")
+		if err != nil {
+			testenv.SkipOrFatal(t, "no group nogroup: %v", err)
+		}
+		sock := serve(t, gid) // replaces the stale socket of the subtest before
+		checkMode(t, sock, 0o660, gid)
+		if err := dial(sock, "nogroup"); err != nil {
+			t.Errorf("a member of the socket group could not connect: %v", err)
+		}
+		if err := dial(sock, "1"); err == nil {
+			t.Error("user nobody outside the socket group connected")
+		}
+	})
+	t.Run("not a socket", func(t *testing.T) {
+		f := filepath.Join(dir, "file")
+		os.WriteFile(f, []byte("keep"), 0o644)
+		if _, err := Listen(f, -1); err == nil {
+			t.Fatal("Listen replaced a regular file")
+		}
+		if data, _ := os.ReadFile(f); string(data) != "keep" {
+			t.Fatal("Listen removed a regular file")
+		}
+	})
 }

@@ -1,0 +1,143 @@
+package puller
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+)
+
+// ResolveOptions say where Resolve looks.
+type ResolveOptions struct {
+	// Mirrors are registries (host[:port]) that hold copies of the
+	// primary's snapshots under the same repository names, tried in order
+	// before the primary for everything fetched by digest. They are never
+	// asked what a tag means.
+	Mirrors []string
+	// Client reaches the registries (default: a new transfer.Client with
+	// default options). Explicit credentials in it go only to the
+	// registry they are for, never to a mirror.
+	Client *transfer.Client
+}
+
+// Resolve turns a reference ("host[:port]/repo[:tag|@digest]") into a
+// Source whose endpoints are the mirrors, in order, then the registry the
+// reference names (the primary).
+//
+// Only the primary says what a tag means: a tag is resolved there, and if
+// the primary cannot answer, the tag does not resolve, whatever a mirror
+// holds under it. A reference by digest needs no trust: the index is read
+// from the first endpoint that serves bytes of that digest, so it resolves
+// through the mirrors alone when the primary is down.
+func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, error) {
+	parsed, err := transfer.ParseReference(ref)
+	if err != nil {
+		return Source{}, err
+	}
+	client := opts.Client
+	if client == nil {
+		if client, err = transfer.NewClient(transfer.ClientOptions{}); err != nil {
+			return Source{}, err
+		}
+	}
+	primary, _, err := client.Repository(parsed.String())
+	if err != nil {
+		return Source{}, err
+	}
+	endpoint := func(host string, d digest.Digest) (fetch.Endpoint, error) {
+		mref := host + "/" + parsed.Repository + "@" + d.String()
+		repo, _, err := client.Repository(mref)
+		if err != nil {
+			return fetch.Endpoint{}, fmt.Errorf("mirror %s: %w", host, err)
+		}
+		return fetch.Endpoint{Name: host, Store: repo}, nil
+	}
+	withMirrors := func(d digest.Digest) ([]fetch.Endpoint, error) {
+		eps := make([]fetch.Endpoint, 0, len(opts.Mirrors)+1)
+		for _, m := range opts.Mirrors {
+			ep, err := endpoint(m, d)
+			if err != nil {
+				return nil, err
+			}
+			eps = append(eps, ep)
+		}
+		return append(eps, fetch.Endpoint{Name: parsed.Registry, Store: primary}), nil
+	}
+
+	if d, err := parsed.Digest(); err == nil {
+		if err := d.Validate(); err != nil {
+			return Source{}, fmt.Errorf("reference %q: %w", ref, err)
+		}
+		eps, err := withMirrors(d)
+		if err != nil {
+			return Source{}, err
+		}
+		var errs []string
+		for _, ep := range eps {
+			desc, err := resolveDigest(ctx, ep, d)
+			if err == nil {
+				return Source{Index: desc, Endpoints: eps}, nil
+			}
+			errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
+		}
+		return Source{}, fmt.Errorf("resolve %s: %s", ref, strings.Join(errs, "; "))
+	}
+
+	desc, err := primary.Resolve(ctx, parsed.Reference)
+	if err != nil {
+		return Source{}, fmt.Errorf("resolve tag %q at %s, the registry %s names (only it says what a tag means; mirrors are asked for digests only): %w",
+			parsed.Reference, parsed.Registry, ref, err)
+	}
+	if err := desc.Digest.Validate(); err != nil {
+		return Source{}, fmt.Errorf("resolve %s: %s answered digest %q: %w", ref, parsed.Registry, desc.Digest, err)
+	}
+	eps, err := withMirrors(desc.Digest)
+	if err != nil {
+		return Source{}, err
+	}
+	return Source{Index: desc, Endpoints: eps}, nil
+}
+
+// resolveDigest reads the manifest d from ep, checks that its bytes hash
+// to d, and returns its descriptor, its media type taken from the
+// verified bytes (an endpoint's headers are not trusted).
+func resolveDigest(ctx context.Context, ep fetch.Endpoint, d digest.Digest) (ocispec.Descriptor, error) {
+	type referenceFetcher interface {
+		FetchReference(ctx context.Context, reference string) (ocispec.Descriptor, io.ReadCloser, error)
+	}
+	rf, ok := ep.Store.(referenceFetcher)
+	if !ok {
+		return ocispec.Descriptor{}, errors.New("endpoint cannot fetch a manifest by reference")
+	}
+	desc, rc, err := rf.FetchReference(ctx, d.String())
+	if err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	defer rc.Close()
+	data, err := io.ReadAll(io.LimitReader(rc, format.MaxManifestSize+1))
+	if err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("read manifest %s: %w", d, err)
+	}
+	if len(data) > format.MaxManifestSize {
+		return ocispec.Descriptor{}, fmt.Errorf("manifest %s: over %d bytes: %w", d, format.MaxManifestSize, format.ErrTooLarge)
+	}
+	if got := d.Algorithm().FromBytes(data); got != d {
+		return ocispec.Descriptor{}, fmt.Errorf("manifest %s: served bytes hash to %s: %w", d, got, format.ErrDigestMismatch)
+	}
+	var head struct {
+		MediaType string `json:"mediaType"`
+	}
+	if err := json.Unmarshal(data, &head); err == nil && head.MediaType != "" {
+		desc.MediaType = head.MediaType
+	}
+	desc.Digest, desc.Size = d, int64(len(data))
+	return desc, nil
+}
