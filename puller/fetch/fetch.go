@@ -138,10 +138,28 @@ type call struct {
 	chunk   format.Chunk
 	prio    Priority
 	started bool
-	done    chan struct{}
-	data    []byte // verified bytes, kept only for demand waiters
-	err     error
+	// done is closed when the call is over: the chunk is in the node
+	// cache, or err says why not.
+	done chan struct{}
+	// ready is closed when readers may go on: as soon as a read's chunk
+	// is verified (data set), before it is written to the node cache and
+	// fsynced, so that a page fault does not wait for the disk; else
+	// with done.
+	ready     chan struct{}
+	readyOnce sync.Once
+	data      []byte // verified bytes, kept only for demand waiters
+	err       error
 }
+
+// readyData returns the verified bytes handed to readers, if any.
+func (cl *call) readyData(mu *sync.Mutex) []byte {
+	mu.Lock()
+	defer mu.Unlock()
+	return cl.data
+}
+
+// markReady lets the call's readers go on.
+func (cl *call) markReady() { cl.readyOnce.Do(func() { close(cl.ready) }) }
 
 // ErrClosed is returned for fetches after Close.
 var ErrClosed = errors.New("fetch scheduler closed")
@@ -184,6 +202,7 @@ func (s *Scheduler) Close() {
 			if k := keyOf(c.chunk); !c.started && s.calls[k] == c {
 				c.err = ErrClosed
 				close(c.done)
+				c.markReady()
 				delete(s.calls, k)
 			}
 		}
@@ -225,16 +244,18 @@ func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Pr
 			return nil, err
 		}
 		select {
-		case <-cl.done:
+		case <-cl.ready:
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
+		// Verified bytes handed over before the cache write: a read is
+		// served even if that write then fails (a full disk).
+		if data := cl.readyData(&s.mu); data != nil {
+			s.opts.Metrics.demandLatency(time.Since(start))
+			return data, nil
+		}
 		if cl.err != nil {
 			return nil, cl.err
-		}
-		if cl.data != nil {
-			s.opts.Metrics.demandLatency(time.Since(start))
-			return cl.data, nil
 		}
 		// Fetched by a prefetch that finished first, or by another mount:
 		// it is in the cache.
@@ -311,7 +332,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		}
 		return cl, nil
 	}
-	cl := &call{chunk: c, prio: prio, done: make(chan struct{})}
+	cl := &call{chunk: c, prio: prio, done: make(chan struct{}), ready: make(chan struct{})}
 	s.calls[k] = cl
 	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
@@ -382,14 +403,25 @@ func (s *Scheduler) worker() {
 		if cl == nil {
 			return
 		}
-		data, err := s.fetchOnce(cl.chunk, buf)
+		// Readers waiting for the chunk get its verified bytes before
+		// they are written to the node cache.
+		publish := func(data []byte) {
+			s.mu.Lock()
+			if cl.prio > Prefetch && cl.data == nil {
+				cl.data = append([]byte(nil), data...)
+				cl.markReady()
+			}
+			s.mu.Unlock()
+		}
+		data, err := s.fetchOnce(cl.chunk, buf, publish)
 		s.mu.Lock()
-		if err == nil && data != nil && cl.prio > Prefetch {
+		if err == nil && data != nil && cl.prio > Prefetch && cl.data == nil {
 			cl.data = append([]byte(nil), data...)
 		}
 		cl.err = err
 		delete(s.calls, keyOf(cl.chunk))
 		close(cl.done)
+		cl.markReady()
 		s.active[cl.prio]--
 		s.cond.Broadcast() // lower priorities may run now
 		s.mu.Unlock()
@@ -405,14 +437,14 @@ func (s *Scheduler) worker() {
 // for that fetch). Only another mount's success is taken: if that fetch
 // fails (its endpoints, or its mount was closed), this one fetches from
 // its own endpoints.
-func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte) ([]byte, error) {
+func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte, verified func([]byte)) ([]byte, error) {
 	if s.opts.InFlight == nil {
-		return s.fetchAndStore(c, buf)
+		return s.fetchAndStore(c, buf, verified)
 	}
 	ran := false
 	ch := s.opts.InFlight.DoChan(keyOf(c).String(), func() (any, error) {
 		ran = true
-		return s.fetchAndStore(c, buf)
+		return s.fetchAndStore(c, buf, verified)
 	})
 	select {
 	case res := <-ch:
@@ -424,7 +456,7 @@ func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte) ([]byte, error) {
 			return nil, nil // in the cache
 		}
 		s.opts.Logger.Info("fetch chunk: another mount's fetch failed; fetching from this mount's endpoints", "chunk", c.Digest, "err", res.Err)
-		return s.fetchAndStore(c, buf)
+		return s.fetchAndStore(c, buf, verified)
 	case <-s.ctx.Done():
 		// Closed while waiting. If the fetch is this scheduler's own, it
 		// stops too (its context is canceled) and whoever waits for it
@@ -434,13 +466,16 @@ func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte) ([]byte, error) {
 }
 
 // fetchAndStore fetches a chunk and stores it in the cache, unless the
-// cache has it already (then it returns no bytes).
-func (s *Scheduler) fetchAndStore(c format.Chunk, buf []byte) ([]byte, error) {
+// cache has it already (then it returns no bytes). verified gets the
+// chunk's bytes once they are verified, before the cache write (which
+// fsyncs).
+func (s *Scheduler) fetchAndStore(c format.Chunk, buf []byte, verified func([]byte)) ([]byte, error) {
 	if s.cache.Has(c.Digest) {
 		return nil, nil
 	}
 	data, err := s.fetch(c, buf)
 	if err == nil {
+		verified(data)
 		err = s.cache.PutVerified(c.Digest, data)
 	}
 	return data, err
