@@ -193,6 +193,8 @@ type Mount struct {
 	localAt time.Duration
 	err     error
 	cancel  context.CancelFunc
+	// background is the load running after a FUSE mount is ready.
+	background sync.WaitGroup
 
 	// closeOnce and unmountOnce make close and Unmount run once however
 	// many callers (two concurrent DELETEs of a mount in the daemon).
@@ -268,7 +270,9 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	m.server = server
 	m.mode = "fuse"
 	m.ready = time.Since(m.start)
+	m.background.Add(1)
 	go func() {
+		defer m.background.Done()
 		if err := m.loadAll(bg, lazy); err != nil && bg.Err() == nil {
 			p.opts.Logger.Error("background load failed", "snapshot", src.Index.Digest, "err", err)
 		}
@@ -413,7 +417,16 @@ func prefetchOrder(lazy []*imagefs.File, list []Range) []format.Chunk {
 // finish loading at the same time.
 func (m *Mount) materialize(ctx context.Context) error {
 	for {
-		_, err, _ := m.p.materializing.Do(m.src.Index.Digest.String(), func() (any, error) { return nil, m.writeMaterialized(ctx) })
+		ch := m.p.materializing.DoChan(m.src.Index.Digest.String(), func() (any, error) { return nil, m.writeMaterialized(ctx) })
+		var err error
+		select {
+		case res := <-ch:
+			err = res.Err
+		case <-ctx.Done():
+			// Unmounted while another mount writes the dir: that
+			// mount's write goes on without this one.
+			return ctx.Err()
+		}
 		// The write joined was another mount's, which was unmounted: write
 		// it again, for this one.
 		if err != nil && ctx.Err() == nil && (errors.Is(err, context.Canceled) || errors.Is(err, fetch.ErrClosed)) {
@@ -593,6 +606,9 @@ func (m *Mount) close() {
 		if m.sched != nil {
 			m.sched.Close()
 		}
+		// The background load stops at its next step; nothing of this
+		// mount writes to the node cache once close returns.
+		m.background.Wait()
 		m.p.cache.Unpin(m.pinned)
 		m.p.cache.UnpinImage(m.src.Index.Digest)
 		m.finish(errors.New("unmounted"))
