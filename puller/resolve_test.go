@@ -3,13 +3,11 @@ package puller_test
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -24,17 +22,15 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-// resolveReg is an in-process cryo registry behind an HTTP handler the
-// test controls: it can flip a byte of every manifest and blob body it
-// serves, demand basic credentials, and records the Authorization headers
-// it receives.
+// resolveReg is an in-process cryo registry behind a testenv.AuthGate
+// (which can demand basic credentials and records the Authorization
+// headers it receives) and a handler that, while corrupt is set, flips a
+// byte of every manifest and blob body it serves.
 type resolveReg struct {
+	*testenv.AuthGate
 	host    string
 	hs      *httptest.Server
 	corrupt atomic.Bool
-	mu      sync.Mutex
-	auth    string // required Authorization header, if set
-	seen    []string
 }
 
 func startResolveReg(t *testing.T) *resolveReg {
@@ -50,19 +46,7 @@ func startResolveReg(t *testing.T) *resolveReg {
 	}
 	h := srv.Handler()
 	r := &resolveReg{}
-	r.hs = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		got := req.Header.Get("Authorization")
-		r.mu.Lock()
-		if got != "" {
-			r.seen = append(r.seen, got)
-		}
-		want := r.auth
-		r.mu.Unlock()
-		if want != "" && got != want {
-			w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
-			w.WriteHeader(http.StatusUnauthorized)
-			return
-		}
+	r.AuthGate = testenv.NewAuthGate(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		isContent := req.Method == http.MethodGet && (strings.Contains(req.URL.Path, "/manifests/") || strings.Contains(req.URL.Path, "/blobs/"))
 		if !isContent || !r.corrupt.Load() {
 			h.ServeHTTP(w, req)
@@ -80,26 +64,10 @@ func startResolveReg(t *testing.T) *resolveReg {
 		w.WriteHeader(rec.Code)
 		w.Write(body)
 	}))
+	r.hs = httptest.NewServer(r.AuthGate)
 	t.Cleanup(func() { r.hs.Close(); srv.Close() })
 	r.host = strings.TrimPrefix(r.hs.URL, "http://")
 	return r
-}
-
-// requireBasic makes the registry demand user:pass.
-func (r *resolveReg) requireBasic(user, pass string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.auth = basicAuth(user, pass)
-}
-
-func (r *resolveReg) authHeaders() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]string(nil), r.seen...)
-}
-
-func basicAuth(user, pass string) string {
-	return "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+pass))
 }
 
 // pushImage pushes a synthetic image dir (seed picks its bytes) to ref and
@@ -281,8 +249,8 @@ func TestMirrorGetsNoPrimaryCredentials(t *testing.T) {
 	primary, mirror := startResolveReg(t), startResolveReg(t)
 	_, desc := pushImage(t, primary.host+"/app:v1", 1)
 	copySnapshot(t, primary.host+"/app:v1", "v1", mirror.host+"/app:v1", "v1")
-	primary.requireBasic("alice", "s3cret")
-	mirror.requireBasic("bob", "mirror-pw")
+	primary.Require("alice", "s3cret")
+	mirror.Require("bob", "mirror-pw")
 	t.Setenv("DOCKER_CONFIG", t.TempDir()) // an empty credential store
 
 	c, err := transfer.NewClient(transfer.ClientOptions{Username: "alice", Password: "s3cret", CredentialHost: primary.host})
@@ -303,12 +271,12 @@ func TestMirrorGetsNoPrimaryCredentials(t *testing.T) {
 			t.Fatalf("%s: %v", ref, err)
 		}
 	}
-	for _, h := range mirror.authHeaders() {
-		if h == basicAuth("alice", "s3cret") {
+	for _, h := range mirror.Seen() {
+		if h == testenv.BasicAuth("alice", "s3cret") {
 			t.Fatal("the mirror received the primary's credentials")
 		}
 	}
-	if !contains(primary.authHeaders(), basicAuth("alice", "s3cret")) {
+	if !contains(primary.Seen(), testenv.BasicAuth("alice", "s3cret")) {
 		t.Fatal("the primary never received its credentials: the test tested nothing")
 	}
 }

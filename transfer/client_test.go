@@ -9,60 +9,26 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/cryo-oci/cryo/internal/testenv"
 )
 
-// basicRegistry is an HTTP server that answers /v2/ like a registry with
-// basic auth: 401 with a challenge unless the request carries user:pass.
-// It records every Authorization header it receives.
+// basicRegistry answers /v2/ like a registry with basic auth, through a
+// testenv.AuthGate that records every Authorization header it receives.
 type basicRegistry struct {
-	srv  *httptest.Server
+	*testenv.AuthGate
 	host string
-	mu   sync.Mutex
-	want string
-	seen []string
 }
 
 func startBasicRegistry(t *testing.T, user, pass string) *basicRegistry {
 	t.Helper()
-	r := &basicRegistry{want: basic(user, pass)}
-	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		got := req.Header.Get("Authorization")
-		r.mu.Lock()
-		if got != "" {
-			r.seen = append(r.seen, got)
-		}
-		want := r.want
-		r.mu.Unlock()
-		if got != want {
-			w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
-			w.WriteHeader(http.StatusUnauthorized)
-			return
-		}
-		w.WriteHeader(http.StatusOK)
-	}))
-	t.Cleanup(r.srv.Close)
-	r.host = strings.TrimPrefix(r.srv.URL, "http://")
-	return r
-}
-
-// require changes the credentials the registry wants.
-func (r *basicRegistry) require(user, pass string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.want = basic(user, pass)
-}
-
-func (r *basicRegistry) headers() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]string(nil), r.seen...)
-}
-
-func basic(user, pass string) string {
-	return "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+pass))
+	gate := testenv.NewAuthGate(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) { w.WriteHeader(http.StatusOK) }))
+	gate.Require(user, pass)
+	srv := httptest.NewServer(gate)
+	t.Cleanup(srv.Close)
+	return &basicRegistry{AuthGate: gate, host: strings.TrimPrefix(srv.URL, "http://")}
 }
 
 // dockerConfig points DOCKER_CONFIG at a new dir whose config.json holds
@@ -111,16 +77,16 @@ func TestCredentialsGoOnlyToTheirRegistry(t *testing.T) {
 	}
 	repo.Resolve(ctx, "v1") // 404 after auth; only the headers matter
 
-	for _, h := range mirror.headers() {
-		if h == basic("alice", "s3cret") {
+	for _, h := range mirror.Seen() {
+		if h == testenv.BasicAuth("alice", "s3cret") {
 			t.Errorf("the mirror received the primary's credentials")
 		}
 	}
-	if !contains(mirror.headers(), basic("bob", "mirror-pw")) {
-		t.Errorf("the mirror never received its own credentials from the store: %q", mirror.headers())
+	if !contains(mirror.Seen(), testenv.BasicAuth("bob", "mirror-pw")) {
+		t.Errorf("the mirror never received its own credentials from the store: %q", mirror.Seen())
 	}
-	if !contains(primary.headers(), basic("alice", "s3cret")) {
-		t.Errorf("the primary never received the explicit credentials: %q", primary.headers())
+	if !contains(primary.Seen(), testenv.BasicAuth("alice", "s3cret")) {
+		t.Errorf("the primary never received the explicit credentials: %q", primary.Seen())
 	}
 
 	// Repository without CredentialHost: the credentials are for the
@@ -129,9 +95,9 @@ func TestCredentialsGoOnlyToTheirRegistry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	before := len(primary.headers())
+	before := len(primary.Seen())
 	repo.Resolve(ctx, "v1")
-	if !contains(primary.headers()[before:], basic("alice", "s3cret")) {
+	if !contains(primary.Seen()[before:], testenv.BasicAuth("alice", "s3cret")) {
 		t.Errorf("Repository did not send the credentials to its own registry")
 	}
 }
@@ -162,7 +128,7 @@ func TestRotatedCredentialsAreRead(t *testing.T) {
 	if err := r.Ping(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	reg.require("bob", "second-password")
+	reg.Require("bob", "second-password")
 	cfg := filepath.Join(os.Getenv("DOCKER_CONFIG"), "config.json")
 	data, _ := json.Marshal(map[string]any{"auths": map[string]any{reg.host: map[string]string{"auth": base64.StdEncoding.EncodeToString([]byte("bob:second-password"))}}})
 	if err := os.WriteFile(cfg, data, 0o600); err != nil {

@@ -3,17 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/base64"
-	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/cryo-oci/cryo/transfer"
@@ -21,14 +19,12 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// authRegistry is an in-process cryo registry that demands basic
-// credentials (if set) and records the Authorization headers it receives.
+// authRegistry is an in-process cryo registry behind a testenv.AuthGate:
+// it demands basic credentials (once Require is called) and records the
+// Authorization headers it receives.
 type authRegistry struct {
+	*testenv.AuthGate
 	host string
-	mu   sync.Mutex
-	want string
-	seen []string
-	reqs int
 }
 
 func startAuthRegistry(t *testing.T) *authRegistry {
@@ -42,49 +38,10 @@ func startAuthRegistry(t *testing.T) *authRegistry {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := srv.Handler()
-	r := &authRegistry{}
-	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		got := req.Header.Get("Authorization")
-		r.mu.Lock()
-		r.reqs++
-		if got != "" {
-			r.seen = append(r.seen, got)
-		}
-		want := r.want
-		r.mu.Unlock()
-		if want != "" && got != want {
-			w.Header().Set("WWW-Authenticate", `Basic realm="test"`)
-			w.WriteHeader(http.StatusUnauthorized)
-			return
-		}
-		h.ServeHTTP(w, req)
-	}))
+	gate := testenv.NewAuthGate(srv.Handler())
+	hs := httptest.NewServer(gate)
 	t.Cleanup(func() { hs.Close(); srv.Close() })
-	r.host = strings.TrimPrefix(hs.URL, "http://")
-	return r
-}
-
-func (r *authRegistry) require(user, pass string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.want = basicHeader(user, pass)
-}
-
-func (r *authRegistry) headers() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]string(nil), r.seen...)
-}
-
-func (r *authRegistry) requestCount() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.reqs
-}
-
-func basicHeader(user, pass string) string {
-	return "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+pass))
+	return &authRegistry{AuthGate: gate, host: strings.TrimPrefix(hs.URL, "http://")}
 }
 
 // runCryo runs the cryo command line in-process with stdin and returns
@@ -109,7 +66,7 @@ const cliPasswordWarning = "WARNING! Using --password via the CLI is insecure."
 func TestPasswordFlags(t *testing.T) {
 	t.Setenv("DOCKER_CONFIG", t.TempDir())
 	reg := startAuthRegistry(t)
-	reg.require("alice", "s3cret")
+	reg.Require("alice", "s3cret")
 	img := filepath.Join(t.TempDir(), "img")
 	if err := synth.ImageDir(img, synth.Text, 1<<20, 1); err != nil {
 		t.Fatal(err)
@@ -253,22 +210,22 @@ func TestPullerFlagsTagAtPrimary(t *testing.T) {
 	}
 
 	// Both registries want credentials; the mirror's are not in the store.
-	primary.require("alice", "s3cret")
-	mirror.require("bob", "other")
+	primary.Require("alice", "s3cret")
+	mirror.Require("bob", "other")
 	src, err = flags("--mirror", mirror.host, "-u", "alice", "--password-file", writeFile(t, "s3cret")).source(ctx, primary.host+"/app:v1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	// Read the index through the endpoints: the mirror is asked first.
-	before := mirror.requestCount()
+	before := mirror.Requests()
 	if _, err := format.LoadSnapshot(ctx, puller.Failover(src.Endpoints), src.Index); err != nil {
 		t.Fatal(err)
 	}
-	if mirror.requestCount() == before {
+	if mirror.Requests() == before {
 		t.Fatal("the mirror was never asked: the test tested nothing")
 	}
-	for _, h := range mirror.headers() {
-		if h == basicHeader("alice", "s3cret") {
+	for _, h := range mirror.Seen() {
+		if h == testenv.BasicAuth("alice", "s3cret") {
 			t.Fatal("the mirror received the primary's credentials")
 		}
 	}
