@@ -5,7 +5,9 @@ package puller_test
 // restore` (a subprocess) through a real FUSE mount, then from the node
 // cache's materialized copy. They need root, bin/runsc, bin/cryo and
 // /dev/fuse: without them they skip with the reason, except under CI=true,
-// where they fail.
+// where they fail. The restore sequence itself (package puller/restore) is
+// tested in-process there; these check the command around it: its
+// messages, where they go, and its exit status.
 
 import (
 	"bufio"

@@ -1,6 +1,15 @@
 // Command cryo moves gVisor checkpoints as chunked, deduplicated OCI
-// artifacts: it packs an image dir into an OCI layout, unpacks, verifies and
-// inspects snapshots.
+// artifacts. It packs an image dir into an OCI layout and unpacks, verifies
+// and inspects snapshots (package format); pushes, pulls and copies them
+// between layouts and registries (transfer); serves and maintains a
+// registry with cryo's extensions (registry); and, on a node, mounts a
+// snapshot as an image dir that loads while it is used, runs the node
+// puller daemon, and restores a sandbox straight from a registry (puller,
+// puller/daemon, puller/restore).
+//
+// The command only wires: it parses flags, builds the packages' options
+// and prints what they report. What it does is in the packages, which a
+// program embedding cryo calls the same way.
 package main
 
 import (

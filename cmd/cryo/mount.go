@@ -6,13 +6,10 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"strings"
 	"time"
 
-	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/restore"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/spf13/cobra"
 )
@@ -101,8 +98,8 @@ and stays in the foreground. It prints "ready" as soon as DIR is complete:
 checkpoint.img and pages_meta.img fetched and verified, pages.img served
 through FUSE, each read blocking only until the chunks it covers are fetched
 and verified (demand reads go ahead of the background load). It prints
-"loaded" when every chunk is in the node cache; the snapshot is then also
-written out once as a plain dir, which later mounts of it use without FUSE.
+"loaded" once every chunk is in the node cache and the snapshot is written
+out as a plain dir, which later mounts of it use without FUSE.
 SIGINT or SIGTERM unmounts.
 
 Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
@@ -172,7 +169,8 @@ Flags after REF go to runsc restore unchanged.
 runsc restore gets cryo's stdin, stdout and stderr, which become the
 restored container's: cryo writes its own messages to stderr only (as runsc
 does), never to stdout. Its first message names the mode: "fuse" (lazy,
-from the registry) or "materialized" (local copy, no FUSE).`,
+from the registry), "eager" (pulled whole first: no FUSE on the node) or
+"materialized" (local copy, no FUSE).`,
 		Example: `  cryo restore --runsc-flag=--root=/run/runsc --runsc-flag=--platform=systrap \
     localhost:5000/app:v1 --bundle=/srv/app app1`,
 		Args: cobra.MinimumNArgs(2),
@@ -181,18 +179,15 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 			if err := noCoreDumps(); err != nil {
 				return err
 			}
-			ref, restoreArgs := args[0], args[1:]
-			id := restoreArgs[len(restoreArgs)-1]
-			// stdout belongs to the container: cryo's messages go to stderr.
-			msg := cmd.ErrOrStderr()
 			start := time.Now()
-			// Ask runsc its version while the snapshot is resolved.
+			ref, id := args[0], args[len(args)-1]
+			// Ask runsc its version while the snapshot resolves.
 			type version struct {
 				v   string
 				err error
 			}
 			vc := make(chan version, 1)
-			go func() { v, err := runscVersion(runsc); vc <- version{v, err} }()
+			go func() { v, err := restore.RunscVersion(ctx, runsc); vc <- version{v, err} }()
 			p, err := pf.open()
 			if err != nil {
 				return err
@@ -205,60 +200,23 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 			if lv.err != nil {
 				return lv.err
 			}
-			localVersion := lv.v
-			// Check before mounting: a refused snapshot fetches no chunk.
-			if err := checkSnapshotVersion(ctx, src, localVersion, ref); err != nil {
-				return err
-			}
-			dir, materialized := p.Materialized(src.Index.Digest)
-			mode := "materialized"
-			var m *puller.Mount
-			if !materialized {
-				var err error
-				if mountDir == "" {
-					mountDir = filepath.Join(pf.cacheDir, "mounts", id)
-				}
-				if m, err = p.Mount(ctx, src, mountDir); err != nil {
-					return err
-				}
-				defer releaseMount(m, msg)
-				dir = mountDir
-				mode = m.Progress().Mode
-			}
-			ready := time.Since(start)
-			fmt.Fprintf(msg, "cryo: snapshot %s: mode %s, image dir %s ready after %.0f ms\n", src.Index.Digest, mode, dir, ready.Seconds()*1000)
-			rargs := append(append(append([]string{}, runscFlags...), "restore", "--detach", "--background", "--image-path="+dir), restoreArgs...)
-			rc := exec.CommandContext(ctx, runsc, rargs...)
-			rc.Stdin, rc.Stdout, rc.Stderr = cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr()
-			if err := rc.Run(); err != nil {
-				return fmt.Errorf("runsc restore: %w", err)
-			}
-			fmt.Fprintf(msg, "cryo: restored %s from %s (mode %s, runsc restore returned after %.0f ms)\n",
-				id, src.Index.Digest, mode, time.Since(start).Seconds()*1000)
-			wargs := append(append([]string{}, runscFlags...), "wait", "--restore", id)
-			wc := exec.CommandContext(ctx, runsc, wargs...)
-			wc.Stderr = cmd.ErrOrStderr()
-			if out, err := wc.Output(); err != nil {
-				return fmt.Errorf("runsc wait --restore: %w (%s)", err, strings.TrimSpace(string(out)))
-			}
-			fmt.Fprintf(msg, "cryo: all pages loaded after %.2f s\n", time.Since(start).Seconds())
-			if m == nil {
-				return nil
-			}
-			// Every chunk runsc read is in the node cache; the background
-			// load writes the materialized copy that later restores use
-			// without FUSE. Unmounting before it is done would lose it.
-			select {
-			case <-m.Loaded():
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-			if err := m.Err(); err != nil {
-				fmt.Fprintf(msg, "cryo: warning: snapshot not materialized: %v\n", err)
-			} else {
-				fmt.Fprintf(msg, "cryo: materialized %s after %.2f s\n", p.MaterializedDir(src.Index.Digest), time.Since(start).Seconds())
-			}
-			return nil
+			// stdout belongs to the container: cryo's messages go to stderr.
+			msg := cmd.ErrOrStderr()
+			_, err = restore.Restore(ctx, p, src, restore.Options{
+				Runsc:        runsc,
+				RunscFlags:   runscFlags,
+				RunscVersion: lv.v,
+				ContainerID:  id,
+				RestoreFlags: args[1 : len(args)-1],
+				MountDir:     mountDir,
+				Name:         ref,
+				Start:        start,
+				Stdin:        cmd.InOrStdin(),
+				Stdout:       cmd.OutOrStdout(),
+				Stderr:       cmd.ErrOrStderr(),
+				Progress:     func(e restore.Event) { printRestoreEvent(msg, id, e) },
+			})
+			return err
 		},
 	}
 	pf.register(cmd, noPasswordStdin)
@@ -269,50 +227,26 @@ from the registry) or "materialized" (local copy, no FUSE).`,
 	return cmd
 }
 
-// releaseMount unmounts a restore's mount without hanging.
-//
-// The restored sandbox's processes live in mount namespaces created while
-// the mount existed, and may keep a copy of it for the container's life
-// (runsc's gofer does when the container's root is a bind of a tree that
-// holds the mount point). The kernel then keeps the FUSE connection alive
-// after our unmount, and go-fuse's Server.Unmount, which waits for its
-// request loops to see the connection end, never returns. So: detach our
-// view first (never blocks; the sandbox has loaded every page and reads
-// pages.img no more), then let Mount.Unmount release the cache pins and
-// stop the fetcher; its own unmount then fails (after go-fuse's few short
-// retries, about 0.3 s) instead of waiting forever. When cryo exits,
-// closing /dev/fuse aborts the connection for any copy left elsewhere.
-func releaseMount(m *puller.Mount, msg io.Writer) {
-	if err := m.Unmount(); err != nil {
-		fmt.Fprintf(msg, "cryo: warning: %v\n", err)
+// printRestoreEvent writes cryo restore's message for a step of restoring
+// container id. bench/restore and the restore tests parse "mode X" and
+// "all pages loaded after N s".
+func printRestoreEvent(w io.Writer, id string, e restore.Event) {
+	switch e.Step {
+	case restore.Ready:
+		fmt.Fprintf(w, "cryo: snapshot %s: mode %s, image dir %s ready after %.0f ms\n", e.Snapshot, e.Mode, e.Dir, e.After.Seconds()*1000)
+	case restore.Restored:
+		fmt.Fprintf(w, "cryo: restored %s from %s (mode %s, runsc restore returned after %.0f ms)\n", id, e.Snapshot, e.Mode, e.After.Seconds()*1000)
+	case restore.PagesLoaded:
+		fmt.Fprintf(w, "cryo: all pages loaded after %.2f s\n", e.After.Seconds())
+	case restore.Materialized:
+		if e.Err != nil {
+			fmt.Fprintf(w, "cryo: warning: snapshot not materialized: %v\n", e.Err)
+		} else {
+			fmt.Fprintf(w, "cryo: materialized %s after %.2f s\n", e.Dir, e.After.Seconds())
+		}
+	case restore.Unmounted:
+		if e.Err != nil {
+			fmt.Fprintf(w, "cryo: warning: %v\n", e.Err)
+		}
 	}
-	os.Remove(m.Dir())
-}
-
-// runscVersion returns what `runsc --version` reports ("runsc version X").
-func runscVersion(runsc string) (string, error) {
-	out, err := exec.Command(runsc, "--version").Output()
-	if err != nil {
-		return "", fmt.Errorf("%s --version: %w", runsc, err)
-	}
-	first, _, _ := strings.Cut(string(out), "\n")
-	v, ok := strings.CutPrefix(strings.TrimSpace(first), "runsc version ")
-	if !ok {
-		return "", fmt.Errorf("%s --version printed %q", runsc, first)
-	}
-	return strings.TrimSpace(v), nil
-}
-
-// checkSnapshotVersion refuses a snapshot whose checkpoint was taken by
-// another runsc version than local (runsc would refuse it after the mount).
-// It reads only the snapshot's index.
-func checkSnapshotVersion(ctx context.Context, src puller.Source, local, ref string) error {
-	snap, err := format.LoadSnapshot(ctx, puller.Failover(src.Endpoints), src.Index)
-	if err != nil {
-		return fmt.Errorf("snapshot %s: %w", ref, err)
-	}
-	if v := snap.RunscVersion(); v != "" && v != local {
-		return fmt.Errorf("snapshot %s was checkpointed by runsc %q, local runsc is %q: runsc restores only its own version's checkpoints", ref, v, local)
-	}
-	return nil
 }
