@@ -1,13 +1,12 @@
 package format
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"runtime"
 	"slices"
 
+	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 )
@@ -67,10 +66,10 @@ func (c *Codec) Close() {
 // Identify returns the table entry (without Offset) of an all-zero chunk,
 // or a raw entry with the chunk's digest.
 func (c *Codec) Identify(data []byte) Chunk {
-	if isZero(data) {
+	if chunker.IsZero(data) {
 		return Chunk{Size: int64(len(data)), Encoding: EncodingZero}
 	}
-	d := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(data))
+	d := digest.FromBytes(data)
 	return Chunk{Size: int64(len(data)), Encoding: EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}
 }
 
@@ -85,7 +84,7 @@ func (c *Codec) Compress(raw Chunk, data, dst []byte) (Chunk, []byte) {
 	if len(z) >= len(data)-len(data)/8 {
 		return raw, data
 	}
-	bd := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(z))
+	bd := digest.FromBytes(z)
 	return Chunk{Size: raw.Size, Encoding: EncodingZstd, Digest: raw.Digest, Blob: bd, BlobSize: int64(len(z))}, z
 }
 
@@ -107,12 +106,12 @@ func (c *Codec) Verify(ch Chunk, data []byte) error {
 		return fmt.Errorf("chunk %s: %d bytes, want %d: %w", ch.Digest, len(data), ch.Size, ErrDigestMismatch)
 	}
 	if ch.Encoding == EncodingZero {
-		if !isZero(data) {
+		if !chunker.IsZero(data) {
 			return fmt.Errorf("zero chunk at offset %d holds non-zero bytes: %w", ch.Offset, ErrDigestMismatch)
 		}
 		return nil
 	}
-	if got := digest.NewDigestFromEncoded(digest.SHA256, hexSHA256(data)); got != ch.Digest {
+	if got := digest.FromBytes(data); got != ch.Digest {
 		return fmt.Errorf("chunk %s: content hashes to %s: %w", ch.Digest, got, ErrDigestMismatch)
 	}
 	return nil
@@ -173,22 +172,3 @@ func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
 	}
 	return out, nil
 }
-
-func hexSHA256(b []byte) string {
-	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:])
-}
-
-// isZero reports whether b holds only zero bytes.
-func isZero(b []byte) bool {
-	for len(b) >= len(zeroPage) {
-		if string(b[:len(zeroPage)]) != string(zeroPage[:]) {
-			return false
-		}
-		b = b[len(zeroPage):]
-	}
-	return string(b) == string(zeroPage[:len(b)])
-}
-
-// zeroPage is compared against, never written.
-var zeroPage [4096]byte

@@ -3,10 +3,8 @@ package puller
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
-	"strings"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/fetch"
@@ -35,21 +33,16 @@ func (f failover) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCl
 	if err := desc.Digest.Validate(); err != nil {
 		return nil, fmt.Errorf("fetch %q: %w", desc.Digest, err)
 	}
-	var errs []string
-	for _, ep := range f {
-		data, err := fetchVerified(ctx, ep.Store, desc)
-		if err == nil {
-			return io.NopCloser(bytes.NewReader(data)), nil
-		}
-		if ctx.Err() != nil {
-			return nil, fmt.Errorf("fetch %s: %w", desc.Digest, ctx.Err())
-		}
-		errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
+	data, err := fetch.FirstOf(ctx, f, func(ctx context.Context, ep fetch.Endpoint) ([]byte, error) {
+		return fetchVerified(ctx, ep.Store, desc)
+	})
+	if err == nil {
+		return io.NopCloser(bytes.NewReader(data)), nil
 	}
-	if len(errs) == 0 {
-		return nil, errors.New("no endpoints")
+	if ctx.Err() != nil {
+		return nil, fmt.Errorf("fetch %s: %w", desc.Digest, ctx.Err())
 	}
-	return nil, fmt.Errorf("fetch %s: %s", desc.Digest, strings.Join(errs, "; "))
+	return nil, fmt.Errorf("fetch %s: %w", desc.Digest, err)
 }
 
 // fetchVerified reads desc from one store, refusing more than desc.Size

@@ -66,8 +66,8 @@ func BenchmarkNodeStore(b *testing.B) {
 			waitLoaded(b, m)
 			pr := m.Progress()
 			m.Unmount()
-			local += pr.LocalAfter
-			mat += pr.LoadedAfter - pr.LocalAfter
+			local += pr.LocalSeconds
+			mat += pr.LoadedSeconds - pr.LocalSeconds
 		}
 		b.ReportMetric(local/float64(b.N), "s-local/op")
 		b.ReportMetric(mat/float64(b.N), "s-materialize/op")

@@ -37,7 +37,6 @@ import (
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/sys/unix"
-	"oras.land/oras-go/v2/content"
 )
 
 // Options configure a Puller.
@@ -158,11 +157,12 @@ type Progress struct {
 	TotalBytes   int64         `json:"totalBytes"`
 	LocalBytes   int64         `json:"localBytes"`
 	DemandChunks int64         `json:"demandChunks"`
-	ReadyAfter   float64       `json:"readySeconds"`
-	// LocalAfter is when every chunk was in the node cache; LoadedAfter
-	// when the materialized image dir was written too.
-	LocalAfter    float64 `json:"localSeconds,omitempty"`
-	LoadedAfter   float64 `json:"loadedSeconds,omitempty"`
+	// ReadySeconds is when the dir was ready for runsc restore, in seconds
+	// since Mount was called; LocalSeconds when every chunk was in the node
+	// cache; LoadedSeconds when the materialized image dir was written too.
+	ReadySeconds  float64 `json:"readySeconds"`
+	LocalSeconds  float64 `json:"localSeconds,omitempty"`
+	LoadedSeconds float64 `json:"loadedSeconds,omitempty"`
 	Loaded        bool    `json:"loaded"`
 	Err           string  `json:"error,omitempty"`
 	FetchedChunks int     `json:"fetchedChunks"`
@@ -212,7 +212,7 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
-	snap, err := format.LoadSnapshot(ctx, firstFetcher(src.Endpoints), src.Index)
+	snap, err := format.LoadSnapshot(ctx, Failover(src.Endpoints), src.Index)
 	if err != nil {
 		return nil, err
 	}
@@ -283,7 +283,7 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 // prepare loads every chunk table, pins the chunks, and fetches the small
 // files. It returns the files for imagefs and the lazy ones.
 func (m *Mount) prepare(ctx context.Context) ([]imagefs.File, []*imagefs.File, error) {
-	src := firstFetcher(m.src.Endpoints)
+	src := Failover(m.src.Endpoints)
 	files := make([]imagefs.File, len(m.snap.Files))
 	tables := make([][]*format.PartTable, len(m.snap.Files))
 	g, gctx := errgroup.WithContext(ctx)
@@ -334,8 +334,10 @@ func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]image
 		}
 		budget -= f.Size
 		data := make([]byte, 0, f.Size)
+		// The mount is not ready until these are here: fetch them as
+		// faults are, ahead of everything.
 		for _, c := range f.Chunks {
-			b, err := m.sched.Get(ctx, c, nil, fetch.Urgent)
+			b, err := m.sched.Get(ctx, c, nil, fetch.Fault)
 			if err != nil {
 				return nil, nil, fmt.Errorf("fetch %s: %w", f.Path, err)
 			}
@@ -511,7 +513,7 @@ func (m *Mount) chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byte, 
 	if err == nil || !errors.Is(err, cache.ErrNotFound) {
 		return data, err
 	}
-	data, err = m.sched.Get(ctx, c, nil, fetch.Demand)
+	data, err = m.sched.Get(ctx, c, nil, fetch.Read)
 	if err != nil {
 		return buf, err
 	}
@@ -560,13 +562,13 @@ func (m *Mount) FetchLog() []fetch.LogEntry {
 // Progress reports the mount's state.
 func (m *Mount) Progress() Progress {
 	pr := Progress{Digest: m.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.total, LocalBytes: m.local.Load(),
-		DemandChunks: m.fsStats.DemandChunks.Load(), ReadyAfter: m.ready.Seconds()}
+		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds()}
 	select {
 	case <-m.loaded:
 		pr.Loaded = true
 		m.mu.Lock()
-		pr.LoadedAfter = m.loadAt.Seconds()
-		pr.LocalAfter = m.localAt.Seconds()
+		pr.LoadedSeconds = m.loadAt.Seconds()
+		pr.LocalSeconds = m.localAt.Seconds()
 		if m.err != nil {
 			pr.Err = m.err.Error()
 		}
@@ -614,6 +616,3 @@ func (m *Mount) close() {
 		m.finish(errors.New("unmounted"))
 	})
 }
-
-// firstFetcher reads manifests and tables from the first endpoint.
-func firstFetcher(eps []fetch.Endpoint) content.Fetcher { return failover(eps) }

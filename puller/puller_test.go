@@ -21,6 +21,7 @@ import (
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/cryo-oci/cryo/transfer"
+	"github.com/opencontainers/go-digest"
 	"github.com/sirupsen/logrus"
 	"oras.land/oras-go/v2/registry/remote"
 )
@@ -33,12 +34,7 @@ func TestMain(m *testing.M) {
 // needFUSE skips (or fails under CI=true) without root and /dev/fuse.
 func needFUSE(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		testenv.SkipOrFatal(t, "FUSE mounts need root")
-	}
-	if !FUSEAvailable() {
-		testenv.SkipOrFatal(t, "no /dev/fuse")
-	}
+	testenv.NeedFUSE(t, "mounting")
 }
 
 // reg is an in-process registry whose HTTP handler tests can wrap.
@@ -174,6 +170,32 @@ func mount(t testing.TB, p *Puller, src Source) *Mount {
 	}
 	t.Cleanup(func() { m.Unmount() })
 	return m
+}
+
+// snapshotChunks lists the chunks of every file of s's snapshot that the
+// node cache holds (all but zero chunks), read from its first endpoint.
+func snapshotChunks(t testing.TB, s Source) []format.Chunk {
+	t.Helper()
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, s.Endpoints[0].Store, s.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []format.Chunk
+	for i := range snap.Files {
+		for part := range snap.Files[i].Parts {
+			pt, err := format.LoadPart(ctx, s.Endpoints[0].Store, &snap.Files[i], part)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, c := range pt.Table.Chunks {
+				if c.Encoding != format.EncodingZero {
+					out = append(out, c)
+				}
+			}
+		}
+	}
+	return out
 }
 
 func waitLoaded(t testing.TB, m *Mount) {
@@ -381,9 +403,23 @@ func TestSmallCacheNeverBreaksLiveMount(t *testing.T) {
 	waitLoaded(t, ma)
 	mb := mount(t, p, b)
 	waitLoaded(t, mb)
-	// Both snapshots stay in the cache, far over the cap, while mounted.
-	if st := p.Cache().Stats(); st.Pinned == 0 || st.Bytes < 16<<20 {
-		t.Fatalf("with two live mounts: %+v; want both snapshots' chunks kept", st)
+	// Both snapshots stay in the cache, far over the cap, while mounted:
+	// every chunk of each, 32 MiB of chunks at least.
+	kept := map[digest.Digest]int64{}
+	for name, s := range map[string]Source{"a": a, "b": b} {
+		for _, c := range snapshotChunks(t, s) {
+			if !p.Cache().Has(c.Digest) {
+				t.Fatalf("with two live mounts, chunk %s of snapshot %s left the cache", c.Digest, name)
+			}
+			kept[c.Digest] = c.Size
+		}
+	}
+	var chunkBytes int64
+	for _, size := range kept {
+		chunkBytes += size
+	}
+	if st := p.Cache().Stats(); chunkBytes < 32<<20 || st.Bytes < chunkBytes {
+		t.Fatalf("with two live mounts: %+v, chunks of both snapshots %d bytes; want both snapshots' 32 MiB kept", st, chunkBytes)
 	}
 	got, _ := os.ReadFile(filepath.Join(ma.Dir(), "pages.img"))
 	want, _ := os.ReadFile(filepath.Join(srcA, "pages.img"))
@@ -540,17 +576,41 @@ func TestRegistryKilledMidLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	src := Source{Index: res.Descriptor, Endpoints: []fetch.Endpoint{{Name: "primary", Store: repo}}}
-	m := mount(t, newPuller(t, Options{Workers: 2}), src)
+	chunks := snapshotChunks(t, src)
+	p := newPuller(t, Options{Workers: 2})
+	m := mount(t, p, src)
 	real.Stop()
 	if pr := m.Progress(); pr.LocalBytes >= pr.TotalBytes {
 		t.Fatal("the load finished before the registry was killed: test data too small")
 	}
-	done := make(chan []byte)
+	demand := m.Progress().DemandChunks
+	done := make(chan []byte, 1)
 	go func() {
 		data, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
 		done <- data
 	}()
 	time.Sleep(time.Second)
+	// A second into the outage, fetches that were under way when the
+	// registry died have ended: a chunk missing from the cache now was
+	// never fetched, so the read cannot have finished, and it must be
+	// waiting for a chunk, not have failed.
+	missing := 0
+	for _, c := range chunks {
+		if !p.Cache().Has(c.Digest) {
+			missing++
+		}
+	}
+	if missing == 0 {
+		t.Fatal("every chunk was fetched before the registry was killed: the test tests nothing")
+	}
+	select {
+	case data := <-done:
+		t.Fatalf("the read of pages.img returned (%d bytes) while the registry was down with %d chunks missing", len(data), missing)
+	default:
+	}
+	if got := m.Progress().DemandChunks; got <= demand {
+		t.Fatalf("no read waited for a chunk during the outage (demand chunks %d before the read, %d after)", demand, got)
+	}
 	real.Start(t)
 	want, _ := os.ReadFile(filepath.Join(dir, "pages.img"))
 	select {

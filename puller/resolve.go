@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/fetch"
@@ -80,15 +79,13 @@ func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, erro
 		if err != nil {
 			return Source{}, err
 		}
-		var errs []string
-		for _, ep := range eps {
-			desc, err := resolveDigest(ctx, ep, d)
-			if err == nil {
-				return Source{Index: desc, Endpoints: eps}, nil
-			}
-			errs = append(errs, fmt.Sprintf("%s: %v", ep.Name, err))
+		desc, err := fetch.FirstOf(ctx, eps, func(ctx context.Context, ep fetch.Endpoint) (ocispec.Descriptor, error) {
+			return resolveDigest(ctx, ep, d)
+		})
+		if err != nil {
+			return Source{}, fmt.Errorf("resolve %s: %w", ref, err)
 		}
-		return Source{}, fmt.Errorf("resolve %s: %s", ref, strings.Join(errs, "; "))
+		return Source{Index: desc, Endpoints: eps}, nil
 	}
 
 	desc, err := primary.Resolve(ctx, parsed.Reference)

@@ -109,9 +109,7 @@ func copySnapshot(t *testing.T, src, srcRef, dst, dstRef string) {
 // checks that pages.img holds want's bytes.
 func mountAndCompare(t *testing.T, src puller.Source, want string) {
 	t.Helper()
-	if os.Geteuid() != 0 || !puller.FUSEAvailable() {
-		testenv.SkipOrFatal(t, "mounting needs root and /dev/fuse")
-	}
+	testenv.NeedFUSE(t, "mounting")
 	p, err := puller.New(puller.Options{CacheDir: t.TempDir(), Deadline: 20 * time.Second})
 	if err != nil {
 		t.Fatal(err)

@@ -27,9 +27,7 @@ func TestParseMountInfo(t *testing.T) {
 // kill the puller, and checks that its dead FUSE mount is detached while a
 // mount of another kind under the same dir is left alone.
 func TestCleanStaleMounts(t *testing.T) {
-	if os.Geteuid() != 0 || !FUSEAvailable() {
-		testenv.SkipOrFatal(t, "needs root and /dev/fuse")
-	}
+	testenv.NeedFUSE(t, "cryo mount")
 	cryo := testenv.Tool(t, "cryo")
 	reg := testenv.StartRegistry(t, "")
 	img := testenv.ImageDir(t, synth.HalfZero, 8<<20, 1)

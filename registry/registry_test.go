@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -17,6 +18,7 @@ import (
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/transfer"
+	"github.com/distribution/distribution/v3/registry/storage/driver/factory"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2"
@@ -303,26 +305,36 @@ func chunkBlobs(t *testing.T, ctx context.Context, repo *remote.Repository, idx 
 }
 
 func TestBadConfigIsAnError(t *testing.T) {
-	cases := map[string]string{
-		"not yaml":       "{{{",
-		"no storage":     "version: 0.1\nhttp:\n  addr: 127.0.0.1:0\n",
-		"unknown driver": "version: 0.1\nstorage:\n  nosuchdriver: {}\nhttp:\n  addr: 127.0.0.1:0\n",
-		"bad mirror":     "version: 0.1\nstorage:\n  inmemory: {}\nhttp:\n  addr: 127.0.0.1:0\nproxy:\n  remoteurl: ftp://x\n",
-		"half tls":       "version: 0.1\nstorage:\n  inmemory: {}\nhttp:\n  addr: 127.0.0.1:0\n  tls:\n    certificate: /x.pem\n",
-		"bad readonly":   "version: 0.1\nstorage:\n  inmemory: {}\n  maintenance:\n    readonly: yes-please\nhttp:\n  addr: 127.0.0.1:0\n",
+	const base = "version: 0.1\nstorage:\n  inmemory: {}\nhttp:\n  addr: 127.0.0.1:0\n"
+	cases := []struct {
+		name, yaml string
+		// want is a substring of the error naming what is wrong.
+		want string
+	}{
+		{"not yaml", "{{{", "yaml: line 1: did not find expected node content"},
+		{"no storage", "version: 0.1\nhttp:\n  addr: 127.0.0.1:0\n", "no storage configuration provided"},
+		{"unknown driver", "version: 0.1\nstorage:\n  nosuchdriver: {}\nhttp:\n  addr: 127.0.0.1:0\n", "storage driver nosuchdriver: StorageDriver not registered"},
+		{"bad mirror", base + "proxy:\n  remoteurl: ftp://x\n", `--mirror-of "ftp://x": want an http:// or https:// registry URL`},
+		{"half tls", base + "  tls:\n    certificate: /x.pem\n", "http.tls needs both certificate and key"},
+		{"bad readonly", "version: 0.1\nstorage:\n  inmemory: {}\n  maintenance:\n    readonly: yes-please\nhttp:\n  addr: 127.0.0.1:0\n", "readonly config key must contain additional keys"},
 	}
-	for name, yaml := range cases {
-		t.Run(name, func(t *testing.T) {
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
 			p := filepath.Join(t.TempDir(), "config.yml")
-			os.WriteFile(p, []byte(yaml), 0o644)
+			if err := os.WriteFile(p, []byte(c.yaml), 0o644); err != nil {
+				t.Fatal(err)
+			}
 			cfg, err := LoadConfig(p)
 			if err == nil {
 				_, err = New(context.Background(), cfg, Options{})
 			}
-			if err == nil {
-				t.Fatal("want an error")
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("error %v, want one containing %q", err, c.want)
 			}
-			t.Log(err)
+			var unregistered factory.InvalidStorageDriverError
+			if c.name == "unknown driver" && (!errors.As(err, &unregistered) || unregistered.Name != "nosuchdriver") {
+				t.Fatalf("error %v does not wrap distribution's InvalidStorageDriverError for nosuchdriver", err)
+			}
 		})
 	}
 }

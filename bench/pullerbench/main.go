@@ -110,7 +110,7 @@ func run(size int64, reps, reads int, bin string) error {
 		if err != nil {
 			return err
 		}
-		ready = append(ready, m.Progress().ReadyAfter)
+		ready = append(ready, m.Progress().ReadySeconds)
 		f, err := os.Open(filepath.Join(m.Dir(), "pages.img"))
 		if err != nil {
 			return err
@@ -130,8 +130,8 @@ func run(size int64, reps, reads int, bin string) error {
 		if err := m.Err(); err != nil {
 			return err
 		}
-		loaded = append(loaded, m.Progress().LoadedAfter)
-		local = append(local, m.Progress().LocalAfter)
+		loaded = append(loaded, m.Progress().LoadedSeconds)
+		local = append(local, m.Progress().LocalSeconds)
 		m.Unmount()
 		os.RemoveAll(cacheDir)
 

@@ -124,14 +124,14 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 				return err
 			}
 			pr := m.Progress()
-			fmt.Fprintf(cmd.OutOrStdout(), "ready: %s at %s (%s, %s, %.0f ms)\n", src.Index.Digest, args[1], pr.Mode, humanBytes(pr.TotalBytes), pr.ReadyAfter*1000)
+			fmt.Fprintf(cmd.OutOrStdout(), "ready: %s at %s (%s, %s, %.0f ms)\n", src.Index.Digest, args[1], pr.Mode, humanBytes(pr.TotalBytes), pr.ReadySeconds*1000)
 			select {
 			case <-m.Loaded():
 				pr := m.Progress()
 				if pr.Err != "" {
 					fmt.Fprintf(cmd.ErrOrStderr(), "loading failed: %s\n", pr.Err)
 				} else {
-					fmt.Fprintf(cmd.OutOrStdout(), "loaded: all %s local after %.2f s (%d demand fetches)\n", humanBytes(pr.TotalBytes), pr.LoadedAfter, pr.DemandChunks)
+					fmt.Fprintf(cmd.OutOrStdout(), "loaded: all %s local after %.2f s (%d demand fetches)\n", humanBytes(pr.TotalBytes), pr.LoadedSeconds, pr.DemandChunks)
 				}
 				<-ctx.Done()
 			case <-ctx.Done():

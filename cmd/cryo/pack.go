@@ -79,7 +79,7 @@ tags the snapshot index. Packing the same dir twice gives the same digest.`,
 	f.StringVar(&created, "created", "", "creation time to record (RFC 3339); default: the checkpoint's own timestamp")
 	f.StringVar(&chunking, "chunking", chunker.PageCDC, "chunking algorithm: page-cdc or fixed")
 	f.IntVar(&avg, "chunk-size", format.DefaultAvgChunkSize, "mean chunk size in bytes (page-cdc: min size/4, max size*4)")
-	f.IntVar(&concurrency, "concurrency", 0, "chunks encoded at once (default: number of CPUs)")
+	f.IntVar(&concurrency, "concurrency", 0, "chunks encoded and stored at once (default 4 x GOMAXPROCS)")
 	f.BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }

@@ -39,7 +39,7 @@ verified, so DIR never holds a partial or corrupt snapshot.`,
 			return nil
 		},
 	}
-	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks fetched and decoded at once (default: number of CPUs)")
+	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks fetched and decoded at once (default GOMAXPROCS)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }
@@ -74,7 +74,7 @@ exists at that path, else a registry reference.`,
 			return nil
 		},
 	}
-	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks fetched and decoded at once (default: number of CPUs)")
+	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks fetched and decoded at once (default GOMAXPROCS)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	ro.register(cmd)
 	return cmd

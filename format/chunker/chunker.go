@@ -118,14 +118,14 @@ func (p Params) Cut(b []byte, eof bool) int {
 	if p.Min > end {
 		return end
 	}
-	zero := isZeroPage(b[p.Min-PageSize : p.Min])
+	zero := IsZero(b[p.Min-PageSize : p.Min])
 	for e := p.Min; e <= end; e += PageSize {
 		page := b[e-PageSize : e]
 		if xxhash.Sum64(page) < threshold {
 			return e
 		}
 		if e+PageSize <= len(b) {
-			nextZero := isZeroPage(b[e : e+PageSize])
+			nextZero := IsZero(b[e : e+PageSize])
 			if nextZero != zero {
 				return e
 			}
@@ -143,12 +143,19 @@ func (p Params) Lookahead() int {
 	return p.Max + PageSize
 }
 
-// isZeroPage reports whether page holds only zero bytes.
-func isZeroPage(page []byte) bool {
-	return string(page) == string(zeroPage[:len(page)])
+// IsZero reports whether b holds only zero bytes (a zero page, or a zero
+// chunk: any length).
+func IsZero(b []byte) bool {
+	for len(b) >= len(zeroPage) {
+		if string(b[:len(zeroPage)]) != string(zeroPage[:]) {
+			return false
+		}
+		b = b[len(zeroPage):]
+	}
+	return string(b) == string(zeroPage[:len(b)])
 }
 
-// zeroPage is only ever compared against.
+// zeroPage is compared against, never written.
 var zeroPage [PageSize]byte
 
 // Chunker splits a stream into chunks with Params.

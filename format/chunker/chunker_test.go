@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"io"
 	"math/rand/v2"
+	"strings"
 	"testing"
 )
 
@@ -112,20 +113,24 @@ func TestEmpty(t *testing.T) {
 }
 
 func TestValidate(t *testing.T) {
-	bad := []Params{
-		{Algorithm: "rabin", Min: 1, Avg: 2, Max: 3},
-		{Algorithm: PageCDC, Min: 1000, Avg: 4096, Max: 8192},
-		{Algorithm: PageCDC, Min: 8192, Avg: 8192, Max: 16384},
-		{Algorithm: PageCDC, Min: 4096, Avg: 8192, Max: 32 << 20},
-		{Algorithm: Fixed, Min: 0, Avg: 0, Max: 0},
-		{Algorithm: Fixed, Min: 1, Avg: 2, Max: 2},
+	bad := []struct {
+		p Params
+		// want is a substring of the error naming what is wrong.
+		want string
+	}{
+		{Params{Algorithm: "rabin", Min: 1, Avg: 2, Max: 3}, `unknown chunking algorithm "rabin"`},
+		{Params{Algorithm: PageCDC, Min: 1000, Avg: 4096, Max: 8192}, "page-cdc sizes must be positive multiples of 4096"},
+		{Params{Algorithm: PageCDC, Min: 8192, Avg: 8192, Max: 16384}, "page-cdc needs min < avg < max"},
+		{Params{Algorithm: PageCDC, Min: 4096, Avg: 8192, Max: 32 << 20}, "page-cdc needs min < avg < max"},
+		{Params{Algorithm: Fixed, Min: 0, Avg: 0, Max: 0}, "fixed chunking needs 0 < min = avg = max"},
+		{Params{Algorithm: Fixed, Min: 1, Avg: 2, Max: 2}, "fixed chunking needs 0 < min = avg = max"},
 	}
-	for _, p := range bad {
-		if p.Validate() == nil {
-			t.Errorf("%+v: want error", p)
+	for _, c := range bad {
+		if err := c.p.Validate(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: %v, want an error containing %q", c.p, err, c.want)
 		}
-		if _, err := New(bytes.NewReader(nil), p); err == nil {
-			t.Errorf("New(%+v): want error", p)
+		if _, err := New(bytes.NewReader(nil), c.p); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("New(%+v): %v, want an error containing %q", c.p, err, c.want)
 		}
 	}
 	if err := DefaultPageCDC(1 << 20).Validate(); err != nil {

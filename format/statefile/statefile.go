@@ -1,4 +1,5 @@
-// Package statefile reads the metadata header of gVisor's checkpoint.img.
+// Package statefile reads (and, for tests and tools, writes) the metadata
+// header of gVisor's checkpoint.img.
 //
 // The header is written by gVisor's pkg/state/statefile: the 8-byte magic
 // "gVisorSF", an 8-byte big-endian length, then that many bytes of a JSON
@@ -33,7 +34,8 @@ const (
 // ErrNotStateFile is returned for input that does not start with Magic.
 var ErrNotStateFile = errors.New("not a gVisor state file")
 
-// ReadMetadata reads the metadata header at the start of r.
+// ReadMetadata reads the metadata header at the start of r. It reads the
+// header and nothing more: r is left at the state stream behind it.
 func ReadMetadata(r io.Reader) (map[string]string, error) {
 	var hdr [16]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
@@ -58,4 +60,12 @@ func ReadMetadata(r io.Reader) (map[string]string, error) {
 		return nil, fmt.Errorf("decode state file metadata: %w", err)
 	}
 	return md, nil
+}
+
+// Header returns the header of a state file with metadata md: what
+// ReadMetadata reads. The state stream follows it.
+func Header(md map[string]string) []byte {
+	js, _ := json.Marshal(md) // a map of strings always encodes
+	out := append([]byte(Magic), binary.BigEndian.AppendUint64(nil, uint64(len(js)))...)
+	return append(out, js...)
 }

@@ -2,9 +2,6 @@ package gvisortest
 
 import (
 	"bytes"
-	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -14,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cryo-oci/cryo/format/statefile"
 )
 
 // Flags returns the global runsc flags every runsc command of the app uses:
@@ -151,44 +150,19 @@ func (r *RestoreCmd) Output() (stdout, stderr string) {
 	return read(r.outPath), read(r.errPath)
 }
 
-// statefileMagic starts a gVisor state file (pkg/state/statefile).
-const statefileMagic = "gVisorSF"
-
-// ReadMetadata returns the JSON metadata of a checkpoint.img header: 8-byte
-// magic "gVisorSF", 8-byte big-endian length, JSON map[string]string.
+// ReadMetadata returns the JSON metadata of a checkpoint.img header (see
+// format/statefile).
 func ReadMetadata(checkpointImg string) (map[string]string, error) {
 	f, err := os.Open(checkpointImg)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	md, _, err := readHeader(f)
-	return md, err
-}
-
-// readHeader reads the header of a state file and returns its metadata and
-// the header's length in bytes.
-func readHeader(r io.Reader) (map[string]string, int64, error) {
-	var hdr [16]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return nil, 0, fmt.Errorf("reading state file header: %w", err)
+	md, err := statefile.ReadMetadata(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", checkpointImg, err)
 	}
-	if string(hdr[:8]) != statefileMagic {
-		return nil, 0, errors.New("not a gVisor state file (bad magic)")
-	}
-	n := binary.BigEndian.Uint64(hdr[8:])
-	if n > 64<<20 {
-		return nil, 0, fmt.Errorf("state file metadata of %d bytes", n)
-	}
-	js := make([]byte, n)
-	if _, err := io.ReadFull(r, js); err != nil {
-		return nil, 0, fmt.Errorf("reading state file metadata: %w", err)
-	}
-	var md map[string]string
-	if err := json.Unmarshal(js, &md); err != nil {
-		return nil, 0, fmt.Errorf("state file metadata: %w", err)
-	}
-	return md, int64(16 + n), nil
+	return md, nil
 }
 
 // CopyImageWithMetadata copies the image dir src to the new dir dst,
@@ -232,7 +206,7 @@ func rewriteHeader(src, dst string, set map[string]string) error {
 		return err
 	}
 	defer in.Close()
-	md, _, err := readHeader(in)
+	md, err := statefile.ReadMetadata(in)
 	if err != nil {
 		return err
 	}
@@ -243,18 +217,11 @@ func rewriteHeader(src, dst string, set map[string]string) error {
 			md[k] = v
 		}
 	}
-	js, err := json.Marshal(md)
-	if err != nil {
-		return err
-	}
 	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
 		return err
 	}
-	var hdr [16]byte
-	copy(hdr[:8], statefileMagic)
-	binary.BigEndian.PutUint64(hdr[8:], uint64(len(js)))
-	if _, err := out.Write(append(hdr[:], js...)); err != nil {
+	if _, err := out.Write(statefile.Header(md)); err != nil {
 		out.Close()
 		return err
 	}

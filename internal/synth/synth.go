@@ -7,13 +7,14 @@ package synth
 import (
 	"bufio"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"sort"
+
+	"github.com/cryo-oci/cryo/format/statefile"
 )
 
 // PageSize is the memory page size.
@@ -148,9 +149,7 @@ func ImageDir(dir string, kind Kind, size int64, seed uint64) error {
 // StateFile returns a gVisor state file: header with metadata md, then
 // bodySize bytes of text-like state.
 func StateFile(md map[string]string, bodySize int, seed uint64) []byte {
-	js, _ := json.Marshal(md)
-	out := append([]byte("gVisorSF"), binary.BigEndian.AppendUint64(nil, uint64(len(js)))...)
-	out = append(out, js...)
+	out := statefile.Header(md)
 	body := make([]byte, bodySize)
 	p, _ := NewPages(Text, seed)
 	p.Fill(body, 0)

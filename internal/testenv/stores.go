@@ -215,9 +215,7 @@ func runWithInput(bin, input string, args ...string) (string, error) {
 // with SIGTERM (unmounting) and waits; the test's cleanup calls stop too.
 func Mount(t testing.TB, cryo, ref, dir string, extra ...string) (*exec.Cmd, func()) {
 	t.Helper()
-	if _, err := os.Stat("/dev/fuse"); err != nil || os.Geteuid() != 0 {
-		SkipOrFatal(t, "cryo mount needs root and /dev/fuse")
-	}
+	NeedFUSE(t, "cryo mount")
 	ctx, cancel := context.WithCancel(context.Background())
 	cmd := exec.CommandContext(ctx, cryo, append([]string{"mount", ref, dir}, extra...)...)
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }

@@ -31,6 +31,23 @@ func SkipOrFatal(t testing.TB, format string, args ...any) {
 	t.Skipf(format, args...)
 }
 
+// NeedFUSE skips the test (fails it when CI=true) unless it runs as root
+// and can open /dev/fuse for reading and writing, as a FUSE mount does: the
+// device can exist and still be unusable (a container without the device
+// allowed, a node without the module loaded). what names what needs it.
+func NeedFUSE(t testing.TB, what string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		SkipOrFatal(t, "%s needs root (FUSE mounts)", what)
+	}
+	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err != nil {
+		SkipOrFatal(t, "%s needs a usable /dev/fuse: %v", what, err)
+		return
+	}
+	f.Close()
+}
+
 // RepoRoot returns the nearest directory at or above the working directory
 // whose go.mod declares module ModulePath.
 func RepoRoot() (string, error) {

@@ -19,8 +19,6 @@
 package cache
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -185,7 +183,7 @@ func (s *Store) Get(d digest.Digest, buf []byte, verify bool) ([]byte, error) {
 		return nil, fmt.Errorf("read cached chunk %s: %w", d, err)
 	}
 	if verify || !s.isVerified(e) {
-		if hexSum(buf) != d.Encoded() {
+		if digest.FromBytes(buf) != d {
 			return nil, s.drop(d, e, "damaged")
 		}
 		s.setVerified(e)
@@ -239,7 +237,7 @@ func (s *Store) verifyFile(d digest.Digest, e *entry, f *os.File) error {
 			}
 			return nil, fmt.Errorf("read cached chunk %s: %w", d, err)
 		}
-		if hexSum(buf) != d.Encoded() {
+		if digest.FromBytes(buf) != d {
 			return nil, s.drop(d, e, "damaged")
 		}
 		s.setVerified(e)
@@ -276,14 +274,20 @@ func (s *Store) drop(d digest.Digest, e *entry, what string) error {
 	return fmt.Errorf("cached chunk %s is %s; dropped: %w", d, what, ErrNotFound)
 }
 
-// open opens chunk d's file, marks it used and returns its entry.
-func (s *Store) open(d digest.Digest) (*os.File, *entry, error) {
+// use returns k's entry, if there is one, and marks it used.
+func (s *Store) use(k key) (*entry, bool) {
 	s.mu.Lock()
-	e, ok := s.entries[chunkKey(d)]
+	defer s.mu.Unlock()
+	e, ok := s.entries[k]
 	if ok {
 		e.lastUse = s.clock()
 	}
-	s.mu.Unlock()
+	return e, ok
+}
+
+// open opens chunk d's file, marks it used and returns its entry.
+func (s *Store) open(d digest.Digest) (*os.File, *entry, error) {
+	e, ok := s.use(chunkKey(d))
 	if !ok {
 		return nil, nil, ErrNotFound
 	}
@@ -301,8 +305,8 @@ func (s *Store) open(d digest.Digest) (*os.File, *entry, error) {
 // Put stores data as chunk d after checking that it hashes to d. It is a
 // no-op if the chunk is already there.
 func (s *Store) Put(d digest.Digest, data []byte) error {
-	if hexSum(data) != d.Encoded() {
-		return fmt.Errorf("cache put %s: content hashes to sha256:%s", d, hexSum(data))
+	if got := digest.FromBytes(data); got != d {
+		return fmt.Errorf("cache put %s: content hashes to %s", d, got)
 	}
 	return s.PutVerified(d, data)
 }
@@ -437,9 +441,4 @@ func (s *Store) evict() {
 	for _, t := range trash {
 		os.RemoveAll(t)
 	}
-}
-
-func hexSum(b []byte) string {
-	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:])
 }

@@ -37,12 +37,7 @@ func (s *Store) ImagePath(d digest.Digest) string {
 // Image returns snapshot d's image dir if the cache holds it complete, and
 // marks it used.
 func (s *Store) Image(d digest.Digest) (string, bool) {
-	s.mu.Lock()
-	e, ok := s.entries[imageKey(d)]
-	if ok {
-		e.lastUse = s.clock()
-	}
-	s.mu.Unlock()
+	e, ok := s.use(imageKey(d))
 	if !ok {
 		return "", false
 	}

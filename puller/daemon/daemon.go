@@ -293,14 +293,14 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	}
 	e := &entry{id: id, ref: req.Ref, m: m, created: time.Now()}
 	done(e)
-	d.readyHist.Observe(m.Progress().ReadyAfter)
+	d.readyHist.Observe(m.Progress().ReadySeconds)
 	go func() {
 		<-m.Loaded()
 		if pr := m.Progress(); pr.Err == "" {
-			d.loadHist.Observe(pr.LoadedAfter)
+			d.loadHist.Observe(pr.LoadedSeconds)
 		}
 	}()
-	d.log.Info("mounted", "id", id, "ref", req.Ref, "digest", src.Index.Digest, "dir", m.Dir(), "mode", m.Progress().Mode, "ready_ms", m.Progress().ReadyAfter*1000)
+	d.log.Info("mounted", "id", id, "ref", req.Ref, "digest", src.Index.Digest, "dir", m.Dir(), "mode", m.Progress().Mode, "ready_ms", m.Progress().ReadySeconds*1000)
 	writeJSON(w, http.StatusCreated, view(e))
 }
 

@@ -43,9 +43,7 @@ type testDaemon struct {
 
 func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 	t.Helper()
-	if os.Geteuid() != 0 || !puller.FUSEAvailable() {
-		testenv.SkipOrFatal(t, "needs root and /dev/fuse")
-	}
+	testenv.NeedFUSE(t, "the daemon's mounts")
 	logrus.SetLevel(logrus.ErrorLevel)
 	ctx := context.Background()
 	cfg, _ := registry.DefaultConfig(t.TempDir(), "127.0.0.1:0")

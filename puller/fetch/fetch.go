@@ -1,5 +1,6 @@
 // Package fetch is the puller's chunk fetch scheduler. Demand reads (a
-// sandbox faulting on memory that is not local yet) jump the queue;
+// restoring sandbox reading memory that is not local yet: its background
+// loader's reads and its application's page faults) jump the queue;
 // everything else is prefetched in the background, in the order given
 // (ascending offsets, or a prefetch list). A bounded pool of workers keeps
 // several fetches in flight over keep-alive connections; each chunk is
@@ -23,7 +24,6 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
-	"strings"
 	"sync"
 	"time"
 
@@ -71,12 +71,13 @@ type Priority int
 const (
 	// Prefetch is the background load, in the order given.
 	Prefetch Priority = iota
-	// Demand is a read waiting for the chunk, served in arrival order: a
-	// restoring sandbox's background loader reads pages.img this way.
-	Demand
-	// Urgent is a read the sandbox's application is blocked on, served
-	// newest first.
-	Urgent
+	// Read is a read waiting for the chunk, served in arrival order: a
+	// restoring sandbox's background loader reads pages.img this way, in
+	// large pieces, many at once.
+	Read
+	// Fault is a read the sandbox's application is blocked on (a page
+	// fault: a short read, see imagefs.FaultBelow), served newest first.
+	Fault
 	numPriorities
 )
 
@@ -88,7 +89,8 @@ type LogEntry struct {
 	Endpoint string
 }
 
-// Demand reports whether the fetch was for a read (Demand or Urgent).
+// Demand reports whether the fetch was on demand, for a read (Read or
+// Fault), not a prefetch.
 func (e LogEntry) Demand() bool { return e.Priority > Prefetch }
 
 // key identifies a fetch: a chunk and exactly how a table says it is
@@ -221,7 +223,7 @@ func (s *Scheduler) Log() []LogEntry {
 }
 
 // Get returns chunk c's verified bytes, exactly c.Size of them, from the
-// cache or fetched now at priority prio (Demand or Urgent), ahead of every
+// cache or fetched now at priority prio (Read or Fault), ahead of every
 // prefetch. Zero chunks need no fetch. The bytes are in buf when they come
 // from the cache; bytes just fetched are shared with other readers of the
 // chunk and must not be modified.
@@ -239,7 +241,7 @@ func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Pr
 	// could be evicted (or dropped as damaged) before it is read back:
 	// then it is fetched again, a few times, rather than failing the read.
 	for attempt := 1; ; attempt++ {
-		cl, err := s.enqueue(c, max(prio, Demand))
+		cl, err := s.enqueue(c, max(prio, Read))
 		if err != nil {
 			return nil, err
 		}
@@ -339,13 +341,13 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	return cl, nil
 }
 
-// next takes the next call to run: the newest urgent call, else the oldest
-// demand call, else, only while no read waits or runs, the next prefetch.
-// A restoring sandbox keeps many reads in flight (gVisor's background
-// loader issues up to 128 at once, in ascending order); the read its
-// application is blocked on arrives last, so urgent calls go newest first.
-// Urgent calls do not hold demand calls back: that would serialize the
-// loader behind every page fault. Prefetches wait while reads are served,
+// next takes the next call to run: the newest fault, else the oldest read,
+// else, only while no read waits or runs, the next prefetch. A restoring
+// sandbox keeps many reads in flight (gVisor's background loader issues up
+// to 128 at once, in ascending order); the page fault its application is
+// blocked on arrives last, so faults go newest first. Faults do not hold
+// the loader's reads back: that would serialize the loader behind every
+// page fault. Prefetches wait while reads are served,
 // which covers the whole file anyway.
 func (s *Scheduler) next() *call {
 	s.mu.Lock()
@@ -355,7 +357,7 @@ func (s *Scheduler) next() *call {
 			return nil
 		}
 		for p := numPriorities - 1; p >= 0; p-- {
-			if p == Prefetch && (s.active[Urgent]+s.active[Demand] > 0) {
+			if p == Prefetch && (s.active[Fault]+s.active[Read] > 0) {
 				break
 			}
 			if cl := s.pop(p); cl != nil {
@@ -375,7 +377,7 @@ func (s *Scheduler) pop(p Priority) *call {
 	q := s.queues[p]
 	for len(q) > 0 {
 		var cl *call
-		if p == Urgent {
+		if p == Fault {
 			cl, q = q[len(q)-1], q[:len(q)-1]
 		} else {
 			cl, q = q[0], q[1:]
@@ -481,42 +483,36 @@ func (s *Scheduler) fetchAndStore(c format.Chunk, buf []byte, verified func([]by
 	return data, err
 }
 
-// fetch gets and verifies one chunk, trying every endpoint in order, again
-// and again with backoff, until the deadline. If every endpoint served bad
-// data in one round, it gives up at once: that will not get better.
+// fetch gets and verifies one chunk, trying every endpoint in order
+// (FirstOf), again and again with backoff, until the deadline. If every
+// endpoint served bad data in one round, it gives up at once: that will
+// not get better.
 func (s *Scheduler) fetch(c format.Chunk, buf []byte) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(s.ctx, s.opts.Deadline)
 	defer cancel()
 	backoff := s.opts.Backoff
-	var errs endpointErrors
 	for attempt := 1; ; attempt++ {
 		corrupt := 0
-		errs = errs[:0]
-		for _, ep := range s.endpoints {
+		data, errs := FirstOf(ctx, s.endpoints, func(ctx context.Context, ep Endpoint) ([]byte, error) {
 			data, err := s.fetchFrom(ctx, ep, c, buf)
 			if err == nil {
-				s.opts.Metrics.fetched(ep.Name, c.BlobSize)
-				if s.opts.KeepLog {
-					s.mu.Lock()
-					for i := len(s.log) - 1; i >= 0; i-- {
-						if s.log[i].Digest == c.Digest {
-							s.log[i].Endpoint = ep.Name
-							break
-						}
-					}
-					s.mu.Unlock()
-				}
+				s.fetched(c, ep)
 				return data, nil
-			}
-			if s.ctx.Err() != nil {
-				return nil, fmt.Errorf("chunk %s: %w", c.Digest, ErrClosed)
 			}
 			if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) || errors.Is(err, format.ErrInvalid) {
 				corrupt++
 				s.opts.Metrics.verifyFailed(ep.Name)
 			}
-			errs = append(errs, fmt.Errorf("%s: %w", ep.Name, err))
-			s.opts.Logger.Warn("fetch chunk", "chunk", c.Digest, "endpoint", ep.Name, "attempt", attempt, "err", err)
+			if s.ctx.Err() == nil {
+				s.opts.Logger.Warn("fetch chunk", "chunk", c.Digest, "endpoint", ep.Name, "attempt", attempt, "err", err)
+			}
+			return nil, err
+		})
+		if errs == nil {
+			return data, nil
+		}
+		if s.ctx.Err() != nil {
+			return nil, fmt.Errorf("chunk %s: %w", c.Digest, ErrClosed)
 		}
 		if corrupt == len(s.endpoints) {
 			return nil, fmt.Errorf("chunk %s (blob %s) failed verification from every endpoint: %w", c.Digest, c.Blob, errs)
@@ -534,19 +530,21 @@ func (s *Scheduler) fetch(c format.Chunk, buf []byte) ([]byte, error) {
 	}
 }
 
-// endpointErrors are the errors of one round of a fetch, one per endpoint
-// (each prefixed with its name); errors.Is sees each of them.
-type endpointErrors []error
-
-func (e endpointErrors) Error() string {
-	msgs := make([]string, len(e))
-	for i, err := range e {
-		msgs[i] = err.Error()
+// fetched counts chunk c as fetched from ep and records ep in the log.
+func (s *Scheduler) fetched(c format.Chunk, ep Endpoint) {
+	s.opts.Metrics.fetched(ep.Name, c.BlobSize)
+	if !s.opts.KeepLog {
+		return
 	}
-	return strings.Join(msgs, "; ")
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := len(s.log) - 1; i >= 0; i-- {
+		if s.log[i].Digest == c.Digest {
+			s.log[i].Endpoint = ep.Name
+			return
+		}
+	}
 }
-
-func (e endpointErrors) Unwrap() []error { return e }
 
 // fetchFrom fetches chunk c's blob from ep and decodes and verifies it. The
 // blob's size is checked against the largest chunk before anything is

@@ -126,7 +126,7 @@ type result struct {
 func get(s *Scheduler, ctx context.Context, c format.Chunk) <-chan result {
 	ch := make(chan result, 1)
 	go func() {
-		data, err := s.Get(ctx, c, nil, Urgent)
+		data, err := s.Get(ctx, c, nil, Fault)
 		ch <- result{bytes.Clone(data), err}
 	}()
 	return ch
@@ -233,7 +233,7 @@ func TestLyingTableDoesNotBreakAnotherMount(t *testing.T) {
 			// D is in the cache now; a table that gives it another size
 			// gets an error, not D's bytes.
 			if tc.liar.Size != honest.Size {
-				if data, err := liar.Get(ctx, tc.liar, nil, Demand); !errors.Is(err, format.ErrDigestMismatch) {
+				if data, err := liar.Get(ctx, tc.liar, nil, Read); !errors.Is(err, format.ErrDigestMismatch) {
 					t.Fatalf("liar's read from the cache: %d bytes, %v; want ErrDigestMismatch", len(data), err)
 				}
 			}
@@ -329,7 +329,7 @@ func TestCloseStopsRetries(t *testing.T) {
 					t.Fatalf("prefetch during Close: %v; want ErrClosed", err)
 				}
 			}
-			if _, err := s.Get(context.Background(), ch, nil, Demand); !errors.Is(err, ErrClosed) {
+			if _, err := s.Get(context.Background(), ch, nil, Read); !errors.Is(err, ErrClosed) {
 				t.Fatalf("read after Close: %v; want ErrClosed", err)
 			}
 		})

@@ -57,11 +57,12 @@ type Source interface {
 	Get(ctx context.Context, c format.Chunk, buf []byte, prio fetch.Priority) ([]byte, error)
 }
 
-// UrgentBelow: a read of a lazy file shorter than this is taken for a read
-// the application is blocked on. gVisor's background loader reads
-// pages.img in pieces of exactly 256 KiB; a page fault reads just the
-// faulted range.
-const UrgentBelow = 256 << 10
+// FaultBelow: a read of a lazy file shorter than this is taken for a page
+// fault, a read the application is blocked on (fetch.Fault); longer ones
+// for the background loader's (fetch.Read). gVisor's background loader
+// reads pages.img in pieces of exactly 256 KiB; a page fault reads just
+// the faulted range.
+const FaultBelow = 256 << 10
 
 // Stats count what the filesystem served.
 type Stats struct {
@@ -202,9 +203,9 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 	if off >= n.file.Size {
 		return fuse.ReadResultData(nil), 0
 	}
-	prio := fetch.Demand
-	if len(dest) < UrgentBelow {
-		prio = fetch.Urgent
+	prio := fetch.Read
+	if len(dest) < FaultBelow {
+		prio = fetch.Fault
 	}
 	dest = dest[:min(int64(len(dest)), n.file.Size-off)]
 	if n.file.Data != nil {

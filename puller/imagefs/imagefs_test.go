@@ -33,7 +33,7 @@ func TestLyingSizeNeverServedOrPanics(t *testing.T) {
 	file := &File{Path: "pages.img", Size: lie.Size, Chunks: []format.Chunk{lie}}
 	for _, off := range []int64{0, 2048, 8192} {
 		dest := bytes.Repeat([]byte{0xee}, 4096)
-		if err := f.readChunks(context.Background(), file, dest, off, fetch.Demand); err == nil {
+		if err := f.readChunks(context.Background(), file, dest, off, fetch.Read); err == nil {
 			t.Errorf("read at %d of a chunk %d bytes long that its table says is %d: no error", off, len(data), lie.Size)
 		}
 	}
