@@ -212,7 +212,7 @@ func (ci *chunkIndex) readBlob(ctx context.Context, r distribution.Repository, d
 	if desc.Size != size {
 		return buf, fmt.Errorf("blob %s has %d bytes, not the %d claimed", d, desc.Size, size)
 	}
-	rc, err := ci.driver.Reader(ctx, blobDataPath(desc.Digest), 0)
+	rc, err := r.Blobs(ctx).Open(ctx, d)
 	if err != nil {
 		return buf, fmt.Errorf("read blob %s: %w", d, err)
 	}

@@ -47,6 +47,8 @@ type Store struct {
 	// verifying joins the first-use verifications of one chunk by
 	// concurrent readers.
 	verifying singleflight.Group
+	// verifyBufs holds buffers for verifying chunks read in part.
+	verifyBufs sync.Pool
 
 	mu        sync.Mutex
 	entries   map[key]*entry
@@ -225,8 +227,11 @@ func (s *Store) verifyFile(d digest.Digest, e *entry, f *os.File) error {
 		if s.isVerified(e) {
 			return nil, nil
 		}
-		bp := bufPool.Get().(*[]byte)
-		defer bufPool.Put(bp)
+		bp, _ := s.verifyBufs.Get().(*[]byte)
+		if bp == nil {
+			bp = new([]byte)
+		}
+		defer s.verifyBufs.Put(bp)
 		if int64(cap(*bp)) < e.size {
 			*bp = make([]byte, e.size)
 		}
@@ -245,9 +250,6 @@ func (s *Store) verifyFile(d digest.Digest, e *entry, f *os.File) error {
 	})
 	return err
 }
-
-// bufPool holds buffers for verifying chunks read in part.
-var bufPool = sync.Pool{New: func() any { return new([]byte) }}
 
 func (s *Store) isVerified(e *entry) bool {
 	s.mu.Lock()

@@ -318,18 +318,7 @@ func TestRestoreRefusesOtherRunscVersion(t *testing.T) {
 
 	// A runsc that logs its arguments, answers --version with the real
 	// runsc, and refuses to restore.
-	dir := t.TempDir()
-	calls := filepath.Join(dir, "calls")
-	wrapper := filepath.Join(dir, "runsc")
-	script := "#!/bin/sh\n" +
-		"echo \"$*\" >> '" + calls + "'\n" +
-		"for a in \"$@\"; do\n" +
-		"  if [ \"$a\" = restore ]; then echo 'wrapper: restore must not be called' >&2; exit 99; fi\n" +
-		"done\n" +
-		"exec '" + e.runsc + "' \"$@\"\n"
-	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	wrapper, calls := gvisortest.NoRestoreRunsc(t, e.runsc)
 
 	var log fetchLog
 	src := resolve(t, ref, &log)
