@@ -4,25 +4,12 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"path"
-	"regexp"
 	"time"
 
+	"github.com/cryo-oci/cryo/registry/layout"
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 )
-
-var blobPath = regexp.MustCompile(`^/v2/(.+)/blobs/(sha256:[a-f0-9]{64})$`)
-
-// blobsRoot is where distribution's storage layout keeps blob data, one
-// directory per blob: <alg>/<first two hex digits>/<hex>/data.
-const blobsRoot = "/docker/registry/v2/blobs"
-
-// blobDataPath is where the content of blob d is stored.
-func blobDataPath(d digest.Digest) string {
-	hex := d.Encoded()
-	return path.Join(blobsRoot, d.Algorithm().String(), hex[:2], hex, "data")
-}
 
 // serveBlobFile serves a blob GET or HEAD from filesystem storage with
 // sendfile, after distribution's own storage API has checked that the blob
@@ -58,7 +45,7 @@ func (s *Server) serveBlobFile(w http.ResponseWriter, r *http.Request, repo, ref
 	if err != nil {
 		return false
 	}
-	rc, err := s.driver.Reader(ctx, blobDataPath(desc.Digest), 0)
+	rc, err := s.driver.Reader(ctx, layout.BlobDataPath(desc.Digest), 0)
 	if err != nil {
 		return false
 	}

@@ -15,6 +15,8 @@ import (
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
+	"github.com/cryo-oci/cryo/registry/layout"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/distribution/distribution/v3/registry/storage"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
@@ -221,13 +223,13 @@ func TestUnverifiedEntriesAreNotAnswered(t *testing.T) {
 		t.Fatalf("upload: %s", resp.Status)
 	}
 	old, _ := json.Marshal(api.ChunkBlob{Encoding: "raw", MediaType: format.MediaTypeChunkRaw, Digest: fc.chunk.Blob, Size: fc.chunk.BlobSize, ChunkSize: fc.chunk.Size, Repository: "old"})
-	if err := reg.srv.driver.PutContent(ctx, entryPath(fc.chunk.Digest, fc.chunk.Blob), old); err != nil {
+	if err := reg.srv.driver.PutContent(ctx, chunkindex.EntryPath(fc.chunk.Digest, fc.chunk.Blob), old); err != nil {
 		t.Fatal(err)
 	}
 	if found := lookupChunk(t, reg, fc.chunk.Digest); len(found) != 0 {
 		t.Fatalf("an unverified entry was answered: %+v", found)
 	}
-	if n, err := reg.srv.chunks.prune(ctx); err != nil || n != 1 {
+	if n, err := reg.srv.chunks.Prune(ctx); err != nil || n != 1 {
 		t.Fatalf("prune dropped %d entries (%v), want the unverified one", n, err)
 	}
 }
@@ -296,7 +298,7 @@ func recordIndexStorage(t *testing.T, reg *testRegistry) *recordingDriver {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reg.srv.chunks.driver, reg.srv.chunks.ns = rd, ns
+	reg.srv.chunks = chunkindex.New(rd, ns, reg.srv.codec, chunkindex.Options{})
 	return rd
 }
 
@@ -331,7 +333,7 @@ func TestChunkTableSizeIsChecked(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
-	if read := rd.touched(blobDataPath(bigDigest), true); len(read) != 0 {
+	if read := rd.touched(layout.BlobDataPath(bigDigest), true); len(read) != 0 {
 		t.Fatalf("the registry read the oversized table: %v", read)
 	}
 }
@@ -353,7 +355,7 @@ func TestLookupChecksAccessFirst(t *testing.T) {
 		t.Fatalf("the index has %d blobs for the chunk, want 2: %+v", len(found), found)
 	}
 	rd := recordIndexStorage(t, reg)
-	found, err := reg.srv.chunks.lookup(ctx, d, func(repo string) bool { return repo == "public" })
+	found, err := reg.srv.chunks.Lookup(ctx, d, func(repo string) bool { return repo == "public" })
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/cryo-oci/cryo/transfer"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
@@ -39,9 +40,9 @@ func TestGCSparesPushInFlight(t *testing.T) {
 		aged  bool
 		grace time.Duration
 	}{
-		{"chunks uploaded", isManifestPut, false, DefaultGCGrace},
+		{"chunks uploaded", isManifestPut, false, maintenance.DefaultGCGrace},
 		{"chunks uploaded, grace 0", isManifestPut, false, 0},
-		{"manifests put, chunks old", isIndexPut, true, DefaultGCGrace},
+		{"manifests put, chunks old", isIndexPut, true, maintenance.DefaultGCGrace},
 		{"manifests put, chunks old, grace 0", isIndexPut, true, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -79,9 +80,9 @@ func TestGCSparesPushInFlight(t *testing.T) {
 				t.Fatalf("push ended before the hold point: %v", err)
 			}
 			if tc.aged {
-				ageBlobs(t, root, 2*DefaultGCGrace)
+				ageBlobs(t, root, 2*maintenance.DefaultGCGrace)
 			}
-			res, err := srv.GC(ctx, GCOptions{RemoveUntagged: true, Grace: tc.grace})
+			res, err := srv.Maintenance().GC(ctx, maintenance.GCOptions{RemoveUntagged: true, Grace: tc.grace})
 			close(release)
 			if err != nil {
 				t.Fatal(err)

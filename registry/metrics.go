@@ -49,13 +49,22 @@ func newMetrics(s *Server) *metrics {
 		Name: "cryo_registry_read_only",
 		Help: "1 while the registry refuses writes for maintenance (a read-only marker in storage, or a cache flush a garbage collection owes), else 0.",
 	}, func() float64 {
-		if s.refusingWrites() {
+		if s.maint.WritesRefused() != "" {
 			return 1
 		}
 		return 0
 	})
 	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, m.chunkVerifications, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
+}
+
+// chunkVerified counts one chunk index verification.
+func (m *metrics) chunkVerified(ok bool) {
+	if ok {
+		m.chunkVerifications.WithLabelValues("ok").Inc()
+	} else {
+		m.chunkVerifications.WithLabelValues("refused").Inc()
+	}
 }
 
 func (m *metrics) handler() http.Handler {

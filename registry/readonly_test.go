@@ -14,6 +14,7 @@ import (
 
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/cryo-oci/cryo/transfer"
 )
 
@@ -74,7 +75,7 @@ func TestGCPutsEveryReplicaInReadOnlyMode(t *testing.T) {
 
 	done := make(chan error, 1)
 	go func() {
-		_, err := gcSrv.GC(context.Background(), GCOptions{RemoveUntagged: true, ReadOnlyWait: time.Second, ReadOnlyLease: time.Minute})
+		_, err := gcSrv.Maintenance().GC(context.Background(), maintenance.GCOptions{RemoveUntagged: true, ReadOnlyWait: time.Second, ReadOnlyLease: time.Minute})
 		done <- err
 	}()
 	for _, base := range []string{a.URL, b.URL} {
@@ -90,8 +91,8 @@ func TestGCPutsEveryReplicaInReadOnlyMode(t *testing.T) {
 		resp.Body.Close()
 	}
 	// A second gc may not take over the mode meanwhile.
-	if _, err := gcSrv.EnterReadOnly(context.Background(), "other", time.Minute); !errors.Is(err, ErrReadOnlyHeld) {
-		t.Errorf("second EnterReadOnly: %v, want ErrReadOnlyHeld", err)
+	if _, err := gcSrv.Maintenance().EnterReadOnly(context.Background(), "other", time.Minute); !errors.Is(err, maintenance.ErrReadOnlyHeld) {
+		t.Errorf("second EnterReadOnly: %v, want maintenance.ErrReadOnlyHeld", err)
 	}
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -104,7 +105,7 @@ func TestGCPutsEveryReplicaInReadOnlyMode(t *testing.T) {
 func TestExpiredReadOnlyMarkerIsIgnored(t *testing.T) {
 	root := t.TempDir()
 	srv, hs := replica(t, root, 20*time.Millisecond)
-	if _, err := srv.EnterReadOnly(context.Background(), "crashed gc", 300*time.Millisecond); err != nil { // never renewed
+	if _, err := srv.Maintenance().EnterReadOnly(context.Background(), "crashed gc", 300*time.Millisecond); err != nil { // never renewed
 		t.Fatal(err)
 	}
 	if code, _ := startUpload(t, hs.URL); code != http.StatusServiceUnavailable {
@@ -112,11 +113,11 @@ func TestExpiredReadOnlyMarkerIsIgnored(t *testing.T) {
 	}
 	// The marker stays in storage (its holder died) but expires.
 	waitStatus(t, hs.URL, http.StatusAccepted)
-	m, err := srv.ReadOnly(context.Background())
+	m, err := srv.Maintenance().ReadOnly(context.Background())
 	if err != nil || m == nil {
 		t.Fatalf("marker: %v %v", m, err)
 	}
-	if _, err := srv.EnterReadOnly(context.Background(), "next gc", time.Minute); err != nil {
+	if _, err := srv.Maintenance().EnterReadOnly(context.Background(), "next gc", time.Minute); err != nil {
 		t.Fatalf("entering over an expired marker: %v", err)
 	}
 }
@@ -125,7 +126,7 @@ func TestReadOnlyLeaseIsRenewedAndOnlyItsHolderReleasesIt(t *testing.T) {
 	root := t.TempDir()
 	srv, hs := replica(t, root, 20*time.Millisecond)
 	ctx := context.Background()
-	l, err := srv.EnterReadOnly(ctx, "maintenance", 200*time.Millisecond)
+	l, err := srv.Maintenance().EnterReadOnly(ctx, "maintenance", 200*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,10 +140,10 @@ func TestReadOnlyLeaseIsRenewedAndOnlyItsHolderReleasesIt(t *testing.T) {
 	// Someone else's marker replaces it (storage drivers have no
 	// compare-and-swap, so a renewal racing with the takeover may win once;
 	// the takeover is repeated until the lease notices).
-	other := ReadOnlyMarker{Holder: "other-host/1/ffff", Reason: "other job", Since: time.Now(), Expires: time.Now().Add(time.Minute)}
+	other := maintenance.ReadOnlyMarker{Holder: "other-host/1/ffff", Reason: "other job", Since: time.Now(), Expires: time.Now().Add(time.Minute)}
 	takeOver := func() {
 		data, _ := json.Marshal(other)
-		if err := srv.driver.PutContent(ctx, readOnlyPath, data); err != nil {
+		if err := srv.driver.PutContent(ctx, maintenance.ReadOnlyPath, data); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -157,8 +158,8 @@ func TestReadOnlyLeaseIsRenewedAndOnlyItsHolderReleasesIt(t *testing.T) {
 			t.Fatal("the lease did not notice it was taken over")
 		}
 	}
-	if !errors.Is(lostErr, ErrReadOnlyLost) {
-		t.Errorf("lost with %v, want ErrReadOnlyLost", lostErr)
+	if !errors.Is(lostErr, maintenance.ErrReadOnlyLost) {
+		t.Errorf("lost with %v, want maintenance.ErrReadOnlyLost", lostErr)
 	}
 	stop()
 	takeOver()
@@ -166,7 +167,7 @@ func TestReadOnlyLeaseIsRenewedAndOnlyItsHolderReleasesIt(t *testing.T) {
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	m, err := srv.ReadOnly(ctx)
+	m, err := srv.Maintenance().ReadOnly(ctx)
 	if err != nil || m == nil || m.Holder != other.Holder {
 		t.Fatalf("after the old holder's release the marker is %+v (%v); want the new holder's", m, err)
 	}
@@ -179,7 +180,7 @@ func TestPushWaitsOutReadOnlyMode(t *testing.T) {
 	root := t.TempDir()
 	srv, hs := replica(t, root, 20*time.Millisecond)
 	ctx := context.Background()
-	l, err := srv.EnterReadOnly(ctx, "garbage collection", time.Minute)
+	l, err := srv.Maintenance().EnterReadOnly(ctx, "garbage collection", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}

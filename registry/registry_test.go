@@ -17,7 +17,9 @@ import (
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/cryo-oci/cryo/transfer"
+	"github.com/distribution/distribution/v3/configuration"
 	"github.com/distribution/distribution/v3/registry/storage/driver/factory"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -33,7 +35,7 @@ type testRegistry struct {
 	host string
 }
 
-func startRegistry(t *testing.T, root string, mutate ...func(cfgRoot string) string) *testRegistry {
+func startRegistry(t *testing.T, root string) *testRegistry {
 	t.Helper()
 	if root == "" {
 		root = t.TempDir()
@@ -42,13 +44,21 @@ func startRegistry(t *testing.T, root string, mutate ...func(cfgRoot string) str
 	if err != nil {
 		t.Fatal(err)
 	}
+	reg := startRegistryWith(t, cfg)
+	reg.root = root
+	return reg
+}
+
+// startRegistryWith serves a registry of cfg on a test HTTP server.
+func startRegistryWith(t *testing.T, cfg *configuration.Configuration) *testRegistry {
+	t.Helper()
 	srv, err := New(context.Background(), cfg, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	hs := httptest.NewServer(srv.Handler())
 	t.Cleanup(func() { hs.Close(); srv.Close() })
-	return &testRegistry{srv: srv, http: hs, root: root, host: strings.TrimPrefix(hs.URL, "http://")}
+	return &testRegistry{srv: srv, http: hs, host: strings.TrimPrefix(hs.URL, "http://")}
 }
 
 func (r *testRegistry) repo(t *testing.T, name string) (*remote.Repository, string) {
@@ -262,7 +272,7 @@ func TestGCKeepsSharedChunks(t *testing.T) {
 	if err := repo.Delete(ctx, r1.Descriptor); err != nil {
 		t.Fatal(err)
 	}
-	res, err := reg.srv.GC(ctx, GCOptions{RemoveUntagged: true})
+	res, err := reg.srv.Maintenance().GC(ctx, maintenance.GCOptions{RemoveUntagged: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,29 +1,33 @@
 package registry
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/httptest"
-	"regexp"
-	"sync/atomic"
+	"strings"
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
+	"github.com/cryo-oci/cryo/registry/maintenance"
+	"github.com/cryo-oci/cryo/registry/referrers"
 	"github.com/distribution/distribution/v3"
 	"github.com/distribution/distribution/v3/configuration"
+	"github.com/distribution/distribution/v3/registry/api/errcode"
+	v2 "github.com/distribution/distribution/v3/registry/api/v2"
+	"github.com/distribution/distribution/v3/registry/auth"
 	"github.com/distribution/distribution/v3/registry/handlers"
-	"github.com/distribution/distribution/v3/registry/storage"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
-	"github.com/distribution/distribution/v3/registry/storage/driver/factory"
+	"github.com/distribution/reference"
+	"github.com/gorilla/mux"
+	"github.com/opencontainers/go-digest"
 
 	// Storage drivers selectable in the configuration.
+	"github.com/distribution/distribution/v3/registry/storage/driver/factory"
 	_ "github.com/distribution/distribution/v3/registry/storage/driver/filesystem"
 	_ "github.com/distribution/distribution/v3/registry/storage/driver/inmemory"
 	_ "github.com/distribution/distribution/v3/registry/storage/driver/s3-aws"
@@ -46,8 +50,8 @@ type Options struct {
 	// metrics. They register in the process-wide Prometheus registry, so
 	// only one Server per process may have them.
 	DistributionMetrics bool
-	// ReadOnlyPoll is how often the read-only marker (see EnterReadOnly)
-	// is re-read: 0 means DefaultReadOnlyPoll, negative never (for
+	// ReadOnlyPoll is how often the read-only marker (see maintenance.Maintainer.EnterReadOnly)
+	// is re-read: 0 means maintenance.DefaultReadOnlyPoll, negative never (for
 	// one-off maintenance commands that serve nothing).
 	ReadOnlyPoll time.Duration
 	// StallTimeout is how long a client may stop sending a request body or
@@ -58,23 +62,23 @@ type Options struct {
 
 // Server is a running registry's HTTP handler and storage.
 type Server struct {
-	cfg      *configuration.Configuration
-	app      *handlers.App
+	cfg *configuration.Configuration
+	app *handlers.App
+	// access authorizes cryo's extension requests: the access controller
+	// distribution builds from the same configuration (nil without auth).
+	access auth.AccessController
+	// driver and ns are the app's own storage driver and namespace, handed
+	// over by cryo's registry middleware (extensions.go).
 	driver   storagedriver.StorageDriver
 	ns       distribution.Namespace
 	log      *slog.Logger
-	chunks   *chunkIndex
+	chunks   *chunkindex.Index
 	codec    *format.Codec
-	refs     *referrers
+	refs     *referrers.Store
 	metrics  *metrics
 	handler  http.Handler
 	mirrorOf string
-	readOnly readOnlyState
-	// flushPending is set while a blob descriptor cache flush a garbage
-	// collection owes has not succeeded (rediscache.go).
-	flushPending atomic.Bool
-	// flushing is set while this replica settles owed flushes.
-	flushing atomic.Bool
+	maint    *maintenance.Maintainer
 	stop     context.CancelFunc
 	// mirrorFills joins concurrent first requests for a blob in mirror
 	// mode (fillMirror).
@@ -90,31 +94,52 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
+	// The caller's configuration is left as it was: New may be called with
+	// it again.
+	c := *cfg
+	cfg = &c
 	cfg.HTTP.Debug.Prometheus.Enabled = opts.DistributionMetrics
 	defer func() {
 		// handlers.NewApp panics on configuration it cannot use.
 		if r := recover(); r != nil {
-			err = fmt.Errorf("registry config: %v", r)
+			var bad factory.InvalidStorageDriverError
+			if e, ok := r.(error); ok && errors.As(e, &bad) {
+				err = fmt.Errorf("registry config: storage driver %s: %w", cfg.Storage.Type(), e)
+			} else if ok {
+				err = fmt.Errorf("registry config: %w", e)
+			} else {
+				err = fmt.Errorf("registry config: %v", r)
+			}
 		}
 	}()
-	driver, err := factory.Create(ctx, cfg.Storage.Type(), cfg.Storage.Parameters())
-	if err != nil {
-		return nil, fmt.Errorf("storage driver %s: %w", cfg.Storage.Type(), err)
+	s = &Server{cfg: cfg, log: opts.Logger, mirrorOf: cfg.Proxy.RemoteURL}
+	if err := withExtensions(cfg, s); err != nil {
+		return nil, fmt.Errorf("registry config: %w", err)
 	}
-	ns, err := storage.NewRegistry(ctx, driver, storage.EnableDelete)
-	if err != nil {
-		return nil, fmt.Errorf("open storage: %w", err)
+	s.app = handlers.NewApp(ctx, cfg)
+	if s.ns == nil {
+		return nil, fmt.Errorf("registry: distribution did not apply cryo's registry middleware")
 	}
-	app := handlers.NewApp(ctx, cfg)
-	s = &Server{cfg: cfg, app: app, driver: driver, ns: ns, log: opts.Logger, mirrorOf: cfg.Proxy.RemoteURL}
+	if t := cfg.Auth.Type(); t != "" && !strings.EqualFold(t, "none") {
+		if s.access, err = auth.GetAccessController(t, cfg.Auth.Parameters()); err != nil {
+			return nil, fmt.Errorf("registry config: auth %s: %w", t, err)
+		}
+	}
 	s.metrics = newMetrics(s)
-	codec, err := format.NewCodec(0)
+	if s.codec, err = format.NewCodec(0); err != nil {
+		return nil, err
+	}
+	s.chunks = chunkindex.New(s.driver, s.ns, s.codec, chunkindex.Options{Logger: opts.Logger, OnVerify: s.metrics.chunkVerified})
+	s.refs = referrers.New(s.driver, s.ns)
+	var redis *configuration.Redis
+	if maintenance.UsesRedisCache(cfg) {
+		redis = &cfg.Redis
+	}
+	s.maint, err = maintenance.New(maintenance.Options{Driver: s.driver, Namespace: s.ns, Redis: redis,
+		ChunkIndex: s.chunks, Referrers: s.refs, Logger: opts.Logger, Count: s.countBlobs})
 	if err != nil {
 		return nil, err
 	}
-	s.codec = codec
-	s.chunks = newChunkIndex(driver, ns, opts.Logger, s.metrics, codec)
-	s.refs = &referrers{driver: driver, ns: ns}
 	if opts.StallTimeout <= 0 {
 		opts.StallTimeout = DefaultStallTimeout
 	}
@@ -123,10 +148,10 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	s.stop = stop
 	if opts.ReadOnlyPoll >= 0 {
 		if opts.ReadOnlyPoll == 0 {
-			opts.ReadOnlyPoll = DefaultReadOnlyPoll
+			opts.ReadOnlyPoll = maintenance.DefaultReadOnlyPoll
 		}
-		s.refreshReadOnly(wctx)
-		go s.watchReadOnly(wctx, opts.ReadOnlyPoll)
+		s.maint.Refresh(wctx)
+		go s.maint.Watch(wctx, opts.ReadOnlyPoll)
 	}
 	return s, nil
 }
@@ -141,6 +166,10 @@ func (s *Server) MetricsHandler() http.Handler { return s.metrics.handler() }
 // Driver returns the storage driver the registry uses.
 func (s *Server) Driver() storagedriver.StorageDriver { return s.driver }
 
+// Maintenance returns the registry's maintenance: garbage collection and
+// read-only mode.
+func (s *Server) Maintenance() *maintenance.Maintainer { return s.maint }
+
 // Namespace returns the registry's storage namespace.
 func (s *Server) Namespace() distribution.Namespace { return s.ns }
 
@@ -152,39 +181,75 @@ func (s *Server) Close() error {
 	return err
 }
 
-var (
-	referrersPath = regexp.MustCompile(`^/v2/(.+)/referrers/([^/]+)$`)
-	manifestPath  = regexp.MustCompile(`^/v2/(.+)/manifests/([^/]+)$`)
-)
-
+// routes sends cryo's own endpoints to their handlers and everything else
+// to distribution's app untouched. Three distribution routes pass through a
+// handler of cryo's first: blob GET/HEAD (sendfile and mirror fills,
+// blobs.go), manifest PUT (the OCI-Subject header) and the referrers API
+// distribution lacks. Routes use distribution's own name and digest
+// patterns.
 func (s *Server) routes() http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /v2/_cryo/chunks/{digest}", s.handleChunkLookup)
-	mux.HandleFunc("POST /v2/_cryo/chunks", s.handleChunkBatch)
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
-	mux.HandleFunc("GET /readyz", s.handleReady)
-	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		if m := referrersPath.FindStringSubmatch(r.URL.Path); m != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
-			s.handleReferrers(w, r, m[1], m[2])
+	r := mux.NewRouter()
+	r.HandleFunc("/v2/_cryo/chunks/{digest}", s.handleChunkLookup).Methods(http.MethodGet)
+	r.HandleFunc("/v2/_cryo/chunks", s.handleChunkBatch).Methods(http.MethodPost)
+	r.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }).Methods(http.MethodGet)
+	r.HandleFunc("/readyz", s.handleReady).Methods(http.MethodGet)
+	r.HandleFunc(distributionPath(v2.RouteNameBlob), s.handleBlob).Methods(http.MethodGet, http.MethodHead)
+	r.HandleFunc(distributionPath(v2.RouteNameManifest), s.handleManifestPut).Methods(http.MethodPut)
+	r.HandleFunc("/v2/{name:"+reference.NameRegexp.String()+"}/referrers/{digest:"+digest.DigestRegexp.String()+"}", s.handleReferrers).Methods(http.MethodGet, http.MethodHead)
+	r.NotFoundHandler = s.app
+	r.MethodNotAllowedHandler = s.app
+	return s.metrics.instrument(s.refuseWritesWhileReadOnly(r))
+}
+
+// refuseWritesWhileReadOnly answers writes with 503 while a marker is in
+// force or a cache flush is pending. Reads, and the chunk index's batch
+// lookup (a POST that writes nothing), pass.
+func (s *Server) refuseWritesWhileReadOnly(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.Method {
+		case http.MethodGet, http.MethodHead, http.MethodOptions:
+			next.ServeHTTP(w, r)
 			return
 		}
-		if m := blobPath.FindStringSubmatch(r.URL.Path); m != nil && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
-			if s.serveBlobFile(w, r, m[1], m[2]) {
-				return
-			}
-			// A mirror's blob not fetched yet: fetch it once, then serve it
-			// like any other.
-			if s.mirrorOf != "" && r.Method == http.MethodGet && s.fillMirror(r, m[1], m[2]) && s.serveBlobFile(w, r, m[1], m[2]) {
-				return
-			}
-		}
-		if m := manifestPath.FindStringSubmatch(r.URL.Path); m != nil && r.Method == http.MethodPut {
-			s.handleManifestPut(w, r, m[1], m[2])
+		if !strings.HasPrefix(r.URL.Path, "/v2/") || r.URL.Path == "/v2/_cryo/chunks" {
+			next.ServeHTTP(w, r)
 			return
 		}
-		s.app.ServeHTTP(w, r)
+		why := s.maint.WritesRefused()
+		if why == "" {
+			next.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Retry-After", "30")
+		writeRegistryError(w, http.StatusServiceUnavailable, "UNAVAILABLE", why)
 	})
-	return s.metrics.instrument(s.refuseWritesWhileReadOnly(mux))
+}
+
+// distributionPath is the path pattern of distribution's route name.
+func distributionPath(name string) string {
+	for _, d := range v2.APIDescriptor.RouteDescriptors {
+		if d.Name == name {
+			return d.Path
+		}
+	}
+	panic("distribution has no route " + name)
+}
+
+// handleBlob serves a blob GET or HEAD from filesystem storage itself
+// (serveBlobFile), filling a mirror first if needed, or hands it to
+// distribution.
+func (s *Server) handleBlob(w http.ResponseWriter, r *http.Request) {
+	vars := mux.Vars(r)
+	repo, ref := vars["name"], vars["digest"]
+	if s.serveBlobFile(w, r, repo, ref) {
+		return
+	}
+	// A mirror's blob not fetched yet: fetch it once, then serve it like
+	// any other.
+	if s.mirrorOf != "" && r.Method == http.MethodGet && s.fillMirror(r, repo, ref) && s.serveBlobFile(w, r, repo, ref) {
+		return
+	}
+	s.app.ServeHTTP(w, r)
 }
 
 // handleReady answers 200 when the storage backend answers, 503 otherwise.
@@ -200,102 +265,30 @@ func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 }
 
-// authorize asks distribution whether the request's credentials may pull
-// from repo (or reach the registry at all if repo is ""), by running a cheap
-// probe request through the app. On refusal it writes distribution's answer
-// (401 with WWW-Authenticate, or 403) and returns false.
+// authorize checks that the request's credentials may pull from repo (or
+// reach the registry at all if repo is ""), with the access controller
+// distribution uses. On refusal it answers as distribution does (401 with
+// the controller's challenge, or 403) and returns false.
 func (s *Server) authorize(w http.ResponseWriter, r *http.Request, repo string) bool {
-	return s.authorizeAs(w, r, http.MethodHead, repo)
-}
-
-// zeroManifest is a manifest path no content has: a probe on it reaches
-// distribution's access check and then finds nothing to do.
-const zeroManifest = "/manifests/sha256:0000000000000000000000000000000000000000000000000000000000000000"
-
-// authorizeAs is authorize for the access a request of method needs: HEAD
-// or GET for pull, PUT for push. A PUT probe carries no body; should the
-// caller have push access, distribution refuses it as an invalid manifest
-// without storing anything.
-func (s *Server) authorizeAs(w http.ResponseWriter, r *http.Request, method, repo string) bool {
-	if s.cfg.Auth.Type() == "" {
+	if s.access == nil {
 		return true
 	}
-	probe := r.Clone(r.Context())
-	probe.Method = method
-	probe.Body = http.NoBody
-	probe.ContentLength = 0
-	probe.Header.Del("Content-Type")
-	probe.URL.Path = "/v2/"
+	var access []auth.Access
 	if repo != "" {
-		probe.URL.Path = "/v2/" + repo + zeroManifest
+		access = []auth.Access{{Resource: auth.Resource{Type: "repository", Name: repo}, Action: "pull"}}
 	}
-	probe.URL.RawQuery = ""
-	rec := httptest.NewRecorder()
-	s.app.ServeHTTP(rec, probe)
-	if rec.Code == http.StatusUnauthorized || rec.Code == http.StatusForbidden {
-		for k, v := range rec.Header() {
-			w.Header()[k] = v
-		}
-		w.WriteHeader(rec.Code)
+	_, err := s.access.Authorized(r, access...)
+	if err == nil {
+		return true
+	}
+	if ch, ok := err.(auth.Challenge); ok {
+		ch.SetHeaders(r, w)
+		_ = errcode.ServeJSON(w, errcode.ErrorCodeUnauthorized.WithDetail(access))
 		return false
 	}
-	return true
-}
-
-// maxManifestBody bounds what the manifest PUT hook buffers; distribution
-// refuses larger manifests itself.
-const maxManifestBody = 4<<20 + 1
-
-// handleManifestPut passes a manifest upload to distribution and, when it
-// succeeds, records the manifest's subject (referrers API) and, for a cryo
-// file manifest, its chunks (chunk index).
-//
-// The body is buffered only for a caller with push access to repo: anyone
-// else gets distribution's 401 or 403 before a byte of it is read.
-func (s *Server) handleManifestPut(w http.ResponseWriter, r *http.Request, repo, reference string) {
-	if !s.authorizeAs(w, r, http.MethodPut, repo) {
-		return
-	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, maxManifestBody))
-	if err != nil {
-		http.Error(w, "read manifest: "+err.Error(), http.StatusBadRequest)
-		return
-	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
-	hooked := &putHook{ResponseWriter: w, onCreated: func(h http.Header) {
-		ctx := context.WithoutCancel(r.Context())
-		if subject, err := s.refs.record(ctx, repo, body, r.Header.Get("Content-Type")); err != nil {
-			s.log.Error("record referrer", "repository", repo, "reference", reference, "err", err)
-		} else if subject != "" {
-			h.Set("OCI-Subject", subject)
-		}
-		if err := s.chunks.indexManifest(ctx, repo, body); err != nil {
-			s.log.Error("index chunks", "repository", repo, "reference", reference, "err", err)
-		}
-	}}
-	s.app.ServeHTTP(hooked, r)
-}
-
-// putHook runs onCreated just before a 201 Created is written.
-type putHook struct {
-	http.ResponseWriter
-	onCreated func(http.Header)
-	wrote     bool
-}
-
-func (p *putHook) WriteHeader(code int) {
-	if !p.wrote && code == http.StatusCreated {
-		p.onCreated(p.Header())
-	}
-	p.wrote = true
-	p.ResponseWriter.WriteHeader(code)
-}
-
-func (p *putHook) Write(b []byte) (int, error) {
-	if !p.wrote {
-		p.WriteHeader(http.StatusOK)
-	}
-	return p.ResponseWriter.Write(b)
+	s.log.Warn("authorize extension request", "path", r.URL.Path, "err", err)
+	_ = errcode.ServeJSON(w, errcode.ErrorCodeDenied)
+	return false
 }
 
 // Serve serves the registry on ln (TLS if the configuration has a

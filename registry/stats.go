@@ -115,6 +115,15 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 	return st, nil
 }
 
+// countBlobs counts the stored blobs and their bytes (for gc).
+func (s *Server) countBlobs(ctx context.Context) (int, int64, error) {
+	st, err := s.Stats(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	return st.Blobs, st.BlobBytes, nil
+}
+
 func (st *Stats) addSnapshot(payload []byte) {
 	var idx ocispec.Index
 	if json.Unmarshal(payload, &idx) != nil || idx.ArtifactType != format.ArtifactTypeSnapshot {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/registry"
+	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/distribution/distribution/v3/configuration"
 	"github.com/spf13/cobra"
 )
@@ -199,7 +200,7 @@ nodes still loading such a snapshot lose its chunks.`,
 				return err
 			}
 			defer srv.Close()
-			res, err := srv.GC(cmd.Context(), registry.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyLease: roLease, Grace: grace})
+			res, err := srv.Maintenance().GC(cmd.Context(), maintenance.GCOptions{DryRun: dryRun, RemoveUntagged: deleteUntagged, ReadOnlyWait: roWait, ReadOnlyLease: roLease, Grace: grace})
 			if err != nil {
 				return err
 			}
@@ -221,8 +222,8 @@ nodes still loading such a snapshot lose its chunks.`,
 	cmd.Flags().BoolVar(&deleteUntagged, "delete-untagged", false, "also delete manifests that no tag reaches (and untagged referrers)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	cmd.Flags().DurationVar(&roWait, "read-only-wait", 0, "put the serving registries in read-only mode and wait this long before sweeping (0: they must be stopped)")
-	cmd.Flags().DurationVar(&grace, "grace", registry.DefaultGCGrace, "keep blobs and manifests pushed or mounted less than this long ago, with what those manifests reference (0: sweep them too)")
-	cmd.Flags().DurationVar(&roLease, "read-only-lease", registry.DefaultReadOnlyLease, "read-only mode lease, renewed every quarter of it while gc runs; it ends this long after a gc that died")
+	cmd.Flags().DurationVar(&grace, "grace", maintenance.DefaultGCGrace, "keep blobs and manifests pushed or mounted less than this long ago, with what those manifests reference (0: sweep them too)")
+	cmd.Flags().DurationVar(&roLease, "read-only-lease", maintenance.DefaultReadOnlyLease, "read-only mode lease, renewed every quarter of it while gc runs; it ends this long after a gc that died")
 	return cmd
 }
 
@@ -288,13 +289,13 @@ for its lease to run out.`,
 			defer srv.Close()
 			w := cmd.OutOrStdout()
 			if leave {
-				if err := srv.LeaveReadOnly(cmd.Context()); err != nil {
+				if err := srv.Maintenance().LeaveReadOnly(cmd.Context()); err != nil {
 					return err
 				}
 				fmt.Fprintln(w, "read-only marker removed: the registries accept pushes from their next poll (5s)")
 				return nil
 			}
-			m, err := srv.ReadOnly(cmd.Context())
+			m, err := srv.Maintenance().ReadOnly(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -1,4 +1,4 @@
-package registry
+package maintenance
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/distribution/distribution/v3/configuration"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/redis/go-redis/v9"
 )
@@ -43,17 +44,16 @@ const owedFlushTimeout = 10 * time.Minute
 // set of digests plus a descriptor hash per digest.
 var blobDescriptorKeyPatterns = []string{"blobs::*", "repository::*::blobs*"}
 
-// usesRedisCache reports whether the configuration caches blob descriptors
-// in redis.
-func (s *Server) usesRedisCache() bool {
-	c, ok := s.cfg.Storage["cache"]
-	return ok && c["blobdescriptor"] == "redis" && len(s.cfg.Redis.Options.Addrs) > 0
+// UsesRedisCache reports whether cfg caches blob descriptors in redis.
+func UsesRedisCache(cfg *configuration.Configuration) bool {
+	c, ok := cfg.Storage["cache"]
+	return ok && c["blobdescriptor"] == "redis" && len(cfg.Redis.Options.Addrs) > 0
 }
 
 // redisClient connects to the configured redis as distribution's app does
 // (addresses, credentials, sentinel, TLS roots and client certificate).
-func (s *Server) redisClient() (redis.UniversalClient, error) {
-	o := s.cfg.Redis.Options
+func (m *Maintainer) redisClient() (redis.UniversalClient, error) {
+	o := m.redis.Options
 	opts := &redis.UniversalOptions{
 		Addrs: o.Addrs, ClientName: o.ClientName, DB: o.DB, Protocol: o.Protocol,
 		Username: o.Username, Password: o.Password,
@@ -61,7 +61,7 @@ func (s *Server) redisClient() (redis.UniversalClient, error) {
 		DialTimeout: o.DialTimeout, ReadTimeout: o.ReadTimeout, WriteTimeout: o.WriteTimeout,
 		DisableIdentity: o.DisableIdentity,
 	}
-	t := s.cfg.Redis.TLS
+	t := m.redis.TLS
 	if t.Certificate != "" || len(t.RootCAs) > 0 {
 		tc := &tls.Config{MinVersion: tls.VersionTLS12}
 		if t.Certificate != "" && t.Key != "" {
@@ -87,11 +87,11 @@ func (s *Server) redisClient() (redis.UniversalClient, error) {
 	return redis.NewUniversalClient(opts), nil
 }
 
-// flushBlobDescriptorCache deletes every key of distribution's blob
+// FlushBlobDescriptorCache deletes every key of distribution's blob
 // descriptor cache (on every master of a redis cluster) and returns how
 // many it deleted. Other keys in the database are left alone.
-func (s *Server) flushBlobDescriptorCache(ctx context.Context) (int, error) {
-	client, err := s.redisClient()
+func (m *Maintainer) FlushBlobDescriptorCache(ctx context.Context) (int, error) {
+	client, err := m.redisClient()
 	if err != nil {
 		return 0, err
 	}
@@ -139,9 +139,9 @@ func (s *Server) flushBlobDescriptorCache(ctx context.Context) (int, error) {
 
 // oweCacheFlush records, before a sweep, that the cache must be flushed;
 // the flag is named after holder.
-func (s *Server) oweCacheFlush(ctx context.Context, holder string) (string, error) {
+func (m *Maintainer) oweCacheFlush(ctx context.Context, holder string) (string, error) {
 	flag := path.Join(cacheFlushDir, flagName(holder))
-	if err := s.driver.PutContent(ctx, flag, []byte(time.Now().UTC().Format(time.RFC3339)+" "+holder+"\n")); err != nil {
+	if err := m.driver.PutContent(ctx, flag, []byte(time.Now().UTC().Format(time.RFC3339)+" "+holder+"\n")); err != nil {
 		return "", fmt.Errorf("record owed cache flush: %w", err)
 	}
 	return flag, nil
@@ -158,8 +158,8 @@ func flagName(holder string) string {
 }
 
 // owedFlushes lists the flags of owed flushes.
-func (s *Server) owedFlushes(ctx context.Context) ([]string, error) {
-	flags, err := s.driver.List(ctx, cacheFlushDir)
+func (m *Maintainer) owedFlushes(ctx context.Context) ([]string, error) {
+	flags, err := m.driver.List(ctx, cacheFlushDir)
 	var nf storagedriver.PathNotFoundError
 	if errors.As(err, &nf) {
 		return nil, nil
@@ -172,14 +172,14 @@ func (s *Server) owedFlushes(ctx context.Context) ([]string, error) {
 
 // flushAndSettle flushes the cache and then deletes the given flags (owed
 // flushes whose sweeps are over: this flush settles them).
-func (s *Server) flushAndSettle(ctx context.Context, flags []string) (int, error) {
-	n, err := s.flushBlobDescriptorCache(ctx)
+func (m *Maintainer) flushAndSettle(ctx context.Context, flags []string) (int, error) {
+	n, err := m.FlushBlobDescriptorCache(ctx)
 	if err != nil {
 		return n, err
 	}
 	var errs []error
 	for _, f := range flags {
-		if err := s.driver.Delete(ctx, f); err != nil {
+		if err := m.driver.Delete(ctx, f); err != nil {
 			var nf storagedriver.PathNotFoundError
 			if !errors.As(err, &nf) {
 				errs = append(errs, fmt.Errorf("clear owed cache flush %s: %w", f, err))
@@ -193,30 +193,30 @@ func (s *Server) flushAndSettle(ctx context.Context, flags []string) (int, error
 // refused while any flush is owed (or the flags cannot be read), and, when
 // no maintainer holds read-only mode, the replica settles the owed flushes
 // itself, in the background.
-func (s *Server) checkOwedFlushes(ctx context.Context, maintainerActive bool) {
-	if !s.usesRedisCache() {
+func (m *Maintainer) checkOwedFlushes(ctx context.Context, maintainerActive bool) {
+	if m.redis == nil {
 		return
 	}
-	flags, err := s.owedFlushes(ctx)
+	flags, err := m.owedFlushes(ctx)
 	if err != nil {
-		s.flushPending.Store(true)
-		s.log.Warn("cannot read owed cache flushes; refusing writes", "err", err)
+		m.flushPending.Store(true)
+		m.log.Warn("cannot read owed cache flushes; refusing writes", "err", err)
 		return
 	}
-	s.flushPending.Store(len(flags) > 0)
-	if len(flags) == 0 || maintainerActive || !s.flushing.CompareAndSwap(false, true) {
+	m.flushPending.Store(len(flags) > 0)
+	if len(flags) == 0 || maintainerActive || !m.flushing.CompareAndSwap(false, true) {
 		return
 	}
 	go func() {
-		defer s.flushing.Store(false)
+		defer m.flushing.Store(false)
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), owedFlushTimeout)
 		defer cancel()
-		n, err := s.flushAndSettle(fctx, flags)
+		n, err := m.flushAndSettle(fctx, flags)
 		if err != nil {
-			s.log.Error("owed blob descriptor cache flush failed; refusing writes until it succeeds", "err", err)
+			m.log.Error("owed blob descriptor cache flush failed; refusing writes until it succeeds", "err", err)
 			return
 		}
-		s.log.Info("flushed the blob descriptor cache a garbage collection left owed", "keys", n, "flags", len(flags))
-		s.checkOwedFlushes(fctx, true)
+		m.log.Info("flushed the blob descriptor cache a garbage collection left owed", "keys", n, "flags", len(flags))
+		m.checkOwedFlushes(fctx, true)
 	}()
 }

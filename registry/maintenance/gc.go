@@ -1,4 +1,4 @@
-package registry
+package maintenance
 
 import (
 	"context"
@@ -60,7 +60,7 @@ type GCResult struct {
 // configuration has one, then drops chunk index and referrers entries that
 // point at deleted content. As with distribution, no pushes may run
 // meanwhile: stop the registries, or set opts.ReadOnlyWait.
-func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err error) {
+func (m *Maintainer) GC(ctx context.Context, opts GCOptions) (res *GCResult, err error) {
 	work := ctx
 	holder := "gc-" + newToken()
 	leaseHeld := func() bool { return true } // no lease: the registries are stopped
@@ -68,7 +68,7 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 		if opts.ReadOnlyLease <= 0 {
 			opts.ReadOnlyLease = DefaultReadOnlyLease
 		}
-		lease, err := s.acquireReadOnly(ctx, "garbage collection", opts.ReadOnlyLease)
+		lease, err := m.acquireReadOnly(ctx, "garbage collection", opts.ReadOnlyLease)
 		if err != nil {
 			return nil, err
 		}
@@ -94,32 +94,32 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 			return nil, context.Cause(work)
 		}
 	}
-	before, err := s.Stats(work)
+	blobsBefore, bytesBefore, err := m.count(work)
 	if err != nil {
 		return nil, err
 	}
-	res = &GCResult{BlobsBefore: before.Blobs, BlobBytesBefore: before.BlobBytes}
-	if before.Blobs == 0 {
+	res = &GCResult{BlobsBefore: blobsBefore, BlobBytesBefore: bytesBefore}
+	if blobsBefore == 0 {
 		// Nothing was ever pushed (or everything is gone): distribution's
 		// sweep fails on the missing blobs directory.
 		return res, nil
 	}
-	flush := s.usesRedisCache() && !opts.DryRun
+	flush := m.redis != nil && !opts.DryRun
 	var ownFlag string
 	if flush {
-		if ownFlag, err = s.oweCacheFlush(work, holder); err != nil {
+		if ownFlag, err = m.oweCacheFlush(work, holder); err != nil {
 			return nil, err
 		}
 	}
 	// The sweep's deletes stop as soon as the lease is lost: the driver
 	// checks work before each one (distribution's sweep does not look at
 	// its context, and the filesystem driver ignores it).
-	sd := stoppableDriver{StorageDriver: s.driver, stop: work}
+	sd := stoppableDriver{StorageDriver: m.driver, stop: work}
 	if opts.Grace > 0 {
 		// After the read-only wait: no push writes from here on, except
 		// through a registry that does not see the mode (the keeper
 		// checks a blob's data again before deleting it).
-		if sd.grace, err = newGraceKeeper(work, s.driver, s.ns, time.Now().Add(-opts.Grace), opts.RemoveUntagged); err != nil {
+		if sd.grace, err = newGraceKeeper(work, m.driver, m.ns, time.Now().Add(-opts.Grace), opts.RemoveUntagged); err != nil {
 			return nil, err
 		}
 	}
@@ -130,7 +130,7 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 	sweepErr := storage.MarkAndSweep(work, sd, sns, storage.GCOpts{DryRun: opts.DryRun, RemoveUntagged: opts.RemoveUntagged, Quiet: !opts.DryRun})
 	if flush {
 		// Also after a failed sweep: it may have deleted some blobs.
-		n, ferr := s.settleCache(context.WithoutCancel(ctx), ownFlag, leaseHeld)
+		n, ferr := m.settleCache(context.WithoutCancel(ctx), ownFlag, leaseHeld)
 		res.CacheEntriesCleared = n
 		if ferr != nil {
 			return nil, fmt.Errorf("%w (the registries flush it themselves, refusing pushes until they can)", errors.Join(sweepErr, ferr))
@@ -143,18 +143,16 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 		return nil, fmt.Errorf("garbage collect: %w", sweepErr)
 	}
 	if !opts.DryRun {
-		if res.ChunkIndexPruned, err = s.chunks.prune(work); err != nil {
+		if res.ChunkIndexPruned, err = m.prune(work, m.opts.ChunkIndex); err != nil {
 			return nil, fmt.Errorf("prune chunk index: %w", err)
 		}
-		if res.ReferrersPruned, err = s.refs.prune(work); err != nil {
+		if res.ReferrersPruned, err = m.prune(work, m.opts.Referrers); err != nil {
 			return nil, fmt.Errorf("prune referrers: %w", err)
 		}
 	}
-	after, err := s.Stats(work)
-	if err != nil {
+	if res.BlobsAfter, res.BlobBytesAfter, err = m.count(work); err != nil {
 		return nil, err
 	}
-	res.BlobsAfter, res.BlobBytesAfter = after.Blobs, after.BlobBytes
 	if sd.grace != nil {
 		res.BlobsKeptForGrace = sd.grace.keptBlobs()
 	}
@@ -164,10 +162,10 @@ func (s *Server) GC(ctx context.Context, opts GCOptions) (res *GCResult, err err
 // acquireReadOnly enters read-only mode, waiting up to one lease for a
 // marker another holder left (a GC that died, or this job's previous run
 // restarted by its controller) to expire.
-func (s *Server) acquireReadOnly(ctx context.Context, reason string, lease time.Duration) (*ReadOnlyLease, error) {
+func (m *Maintainer) acquireReadOnly(ctx context.Context, reason string, lease time.Duration) (*ReadOnlyLease, error) {
 	deadline := time.Now().Add(lease + DefaultReadOnlyPoll)
 	for {
-		l, err := s.EnterReadOnly(ctx, reason, lease)
+		l, err := m.EnterReadOnly(ctx, reason, lease)
 		if err == nil || !errors.Is(err, ErrReadOnlyHeld) || time.Now().After(deadline) {
 			return l, err
 		}
@@ -184,14 +182,14 @@ func (s *Server) acquireReadOnly(ctx context.Context, reason string, lease time.
 // looked a blob up just before the sweep deleted it. Then it clears its own
 // flag and, while it holds read-only mode (so no other sweep runs), the
 // flags of maintainers that died owing a flush.
-func (s *Server) settleCache(ctx context.Context, own string, leaseHeld func() bool) (int, error) {
+func (m *Maintainer) settleCache(ctx context.Context, own string, leaseHeld func() bool) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, 2*owedFlushTimeout)
 	defer cancel()
-	prior, err := s.owedFlushes(ctx)
+	prior, err := m.owedFlushes(ctx)
 	if err != nil {
 		return 0, err
 	}
-	n, err := s.flushBlobDescriptorCache(ctx)
+	n, err := m.FlushBlobDescriptorCache(ctx)
 	if err != nil {
 		return n, err
 	}
@@ -204,8 +202,8 @@ func (s *Server) settleCache(ctx context.Context, own string, leaseHeld func() b
 	if leaseHeld() {
 		settle = prior
 	}
-	m, err := s.flushAndSettle(ctx, settle)
-	return n + m, err
+	more, err := m.flushAndSettle(ctx, settle)
+	return n + more, err
 }
 
 // stoppableDriver refuses deletes and writes once stop is done, and skips

@@ -1,4 +1,4 @@
-package registry
+package maintenance
 
 import (
 	"context"
@@ -7,11 +7,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
@@ -30,8 +27,8 @@ import (
 // stops renewing, so the mode ends one lease later; a holder that cannot
 // renew stops its work before the lease runs out.
 
-// readOnlyPath is where the marker lives in the storage driver.
-const readOnlyPath = "/cryo/v1/maintenance/readonly"
+// ReadOnlyPath is where the marker lives in the storage driver.
+const ReadOnlyPath = "/cryo/v1/maintenance/readonly"
 
 // DefaultReadOnlyPoll is how often a serving registry re-reads the marker.
 const DefaultReadOnlyPoll = 5 * time.Second
@@ -60,8 +57,8 @@ var ErrReadOnlyHeld = errors.New("registry is already in read-only mode")
 var ErrReadOnlyLost = errors.New("read-only lease lost")
 
 // ReadOnly returns the marker in the storage, or nil if there is none.
-func (s *Server) ReadOnly(ctx context.Context) (*ReadOnlyMarker, error) {
-	data, err := s.driver.GetContent(ctx, readOnlyPath)
+func (m *Maintainer) ReadOnly(ctx context.Context) (*ReadOnlyMarker, error) {
+	data, err := m.driver.GetContent(ctx, ReadOnlyPath)
 	if err != nil {
 		var nf storagedriver.PathNotFoundError
 		if errors.As(err, &nf) {
@@ -69,16 +66,16 @@ func (s *Server) ReadOnly(ctx context.Context) (*ReadOnlyMarker, error) {
 		}
 		return nil, fmt.Errorf("read read-only marker: %w", err)
 	}
-	var m ReadOnlyMarker
-	if err := json.Unmarshal(data, &m); err != nil {
-		return nil, fmt.Errorf("read-only marker %s is not valid JSON: %w", readOnlyPath, err)
+	var mk ReadOnlyMarker
+	if err := json.Unmarshal(data, &mk); err != nil {
+		return nil, fmt.Errorf("read-only marker %s is not valid JSON: %w", ReadOnlyPath, err)
 	}
-	return &m, nil
+	return &mk, nil
 }
 
 // ReadOnlyLease is a held read-only marker.
 type ReadOnlyLease struct {
-	s      *Server
+	m      *Maintainer
 	marker ReadOnlyMarker
 	lease  time.Duration
 }
@@ -90,11 +87,11 @@ func (l *ReadOnlyLease) Marker() ReadOnlyMarker { return l.marker }
 // replica sharing the storage refuses writes from its next poll on. It
 // fails with ErrReadOnlyHeld if another marker is in force (or another
 // holder wrote one at the same moment).
-func (s *Server) EnterReadOnly(ctx context.Context, reason string, lease time.Duration) (*ReadOnlyLease, error) {
+func (m *Maintainer) EnterReadOnly(ctx context.Context, reason string, lease time.Duration) (*ReadOnlyLease, error) {
 	if lease <= 0 {
 		return nil, fmt.Errorf("read-only lease must be positive, not %s", lease)
 	}
-	old, err := s.ReadOnly(ctx)
+	old, err := m.ReadOnly(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -103,7 +100,7 @@ func (s *Server) EnterReadOnly(ctx context.Context, reason string, lease time.Du
 		return nil, heldError(old)
 	}
 	host, _ := os.Hostname()
-	l := &ReadOnlyLease{s: s, lease: lease, marker: ReadOnlyMarker{
+	l := &ReadOnlyLease{m: m, lease: lease, marker: ReadOnlyMarker{
 		Holder: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), newToken()),
 		Reason: reason, Since: now, Expires: now.Add(lease),
 	}}
@@ -112,14 +109,14 @@ func (s *Server) EnterReadOnly(ctx context.Context, reason string, lease time.Du
 	}
 	// Two holders that both found no marker both wrote one; the one whose
 	// marker is read back holds the mode.
-	got, err := s.ReadOnly(ctx)
+	got, err := m.ReadOnly(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if got == nil || got.Holder != l.marker.Holder {
 		return nil, heldError(got)
 	}
-	s.readOnly.Store(&l.marker)
+	m.readOnly.Store(&l.marker)
 	return l, nil
 }
 
@@ -142,7 +139,7 @@ func (l *ReadOnlyLease) write(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := l.s.driver.PutContent(ctx, readOnlyPath, data); err != nil {
+	if err := l.m.driver.PutContent(ctx, ReadOnlyPath, data); err != nil {
 		return fmt.Errorf("write read-only marker: %w", err)
 	}
 	return nil
@@ -151,7 +148,7 @@ func (l *ReadOnlyLease) write(ctx context.Context) error {
 // check fails with ErrReadOnlyLost unless the marker in storage is this
 // lease's.
 func (l *ReadOnlyLease) check(ctx context.Context) error {
-	got, err := l.s.ReadOnly(ctx)
+	got, err := l.m.ReadOnly(ctx)
 	if err != nil {
 		return err
 	}
@@ -211,31 +208,32 @@ func (l *ReadOnlyLease) Release(ctx context.Context) error {
 		}
 		return err
 	}
-	return l.s.clearMarker(ctx)
+	return l.m.clearMarker(ctx)
 }
 
 // LeaveReadOnly removes whatever marker is in storage: for an operator
 // whose maintenance job died (`cryo registry read-only --leave`).
-func (s *Server) LeaveReadOnly(ctx context.Context) error {
-	return s.clearMarker(ctx)
+func (m *Maintainer) LeaveReadOnly(ctx context.Context) error {
+	return m.clearMarker(ctx)
 }
 
-func (s *Server) clearMarker(ctx context.Context) error {
-	err := s.driver.Delete(ctx, readOnlyPath)
+func (m *Maintainer) clearMarker(ctx context.Context) error {
+	err := m.driver.Delete(ctx, ReadOnlyPath)
 	var nf storagedriver.PathNotFoundError
 	if err != nil && !errors.As(err, &nf) {
 		return fmt.Errorf("remove read-only marker: %w", err)
 	}
-	s.readOnly.Store(nil)
+	m.readOnly.Store(nil)
 	return nil
 }
 
-// watchReadOnly re-reads the marker every poll until ctx ends.
-func (s *Server) watchReadOnly(ctx context.Context, poll time.Duration) {
+// Watch re-reads the marker and the owed cache flushes every poll until ctx
+// ends: a serving replica's part of maintenance.
+func (m *Maintainer) Watch(ctx context.Context, poll time.Duration) {
 	t := time.NewTicker(poll)
 	defer t.Stop()
 	for {
-		s.refreshReadOnly(ctx)
+		m.Refresh(ctx)
 		select {
 		case <-ctx.Done():
 			return
@@ -244,65 +242,40 @@ func (s *Server) watchReadOnly(ctx context.Context, poll time.Duration) {
 	}
 }
 
-// refreshReadOnly re-reads the marker and the owed cache flushes
-// (rediscache.go). A failed marker read keeps the
-// last state: a store that cannot be read refuses writes anyway.
-func (s *Server) refreshReadOnly(ctx context.Context) {
+// Refresh re-reads the marker and the owed cache flushes (rediscache.go)
+// now. A failed marker read keeps the last state: a store that cannot be
+// read refuses writes anyway.
+func (m *Maintainer) Refresh(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	m, err := s.ReadOnly(rctx)
+	mk, err := m.ReadOnly(rctx)
 	if err != nil {
 		if ctx.Err() == nil {
-			s.log.Warn("read-only marker", "err", err)
+			m.log.Warn("read-only marker", "err", err)
 		}
 		return
 	}
-	active := m.Active(time.Now())
+	active := mk.Active(time.Now())
 	// Owed cache flushes first: writes stay refused from the moment the
 	// marker is dropped if a flush is owed.
-	s.checkOwedFlushes(rctx, active)
-	if prev := s.readOnly.Swap(m); prev.Active(time.Now()) != active {
+	m.checkOwedFlushes(rctx, active)
+	if prev := m.readOnly.Swap(mk); prev.Active(time.Now()) != active {
 		if active {
-			s.log.Info("entering read-only mode", "holder", m.Holder, "reason", m.Reason, "expires", m.Expires)
+			m.log.Info("entering read-only mode", "holder", mk.Holder, "reason", mk.Reason, "expires", mk.Expires)
 		} else {
-			s.log.Info("leaving read-only mode")
+			m.log.Info("leaving read-only mode")
 		}
 	}
 }
 
-// refusingWrites reports whether writes are refused now: a marker in
-// force, or a cache flush owed.
-func (s *Server) refusingWrites() bool {
-	return s.readOnly.Load().Active(time.Now()) || s.flushPending.Load()
+// WritesRefused says why writes are refused now (a marker in force, or a
+// cache flush owed), or "" if they are not.
+func (m *Maintainer) WritesRefused() string {
+	if mk := m.readOnly.Load(); mk.Active(time.Now()) {
+		return fmt.Sprintf("registry is read-only for maintenance (%s, by %s since %s); retry later", mk.Reason, mk.Holder, mk.Since.Format(time.RFC3339))
+	}
+	if m.flushPending.Load() {
+		return "registry is read-only until its blob descriptor cache is flushed after garbage collection; retry later"
+	}
+	return ""
 }
-
-// refuseWritesWhileReadOnly answers writes with 503 while a marker is in
-// force or a cache flush is pending. Reads, and the chunk index's batch
-// lookup (a POST that writes nothing), pass.
-func (s *Server) refuseWritesWhileReadOnly(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch r.Method {
-		case http.MethodGet, http.MethodHead, http.MethodOptions:
-			next.ServeHTTP(w, r)
-			return
-		}
-		if !strings.HasPrefix(r.URL.Path, "/v2/") || r.URL.Path == "/v2/_cryo/chunks" {
-			next.ServeHTTP(w, r)
-			return
-		}
-		var why string
-		if m := s.readOnly.Load(); m.Active(time.Now()) {
-			why = fmt.Sprintf("registry is read-only for maintenance (%s, by %s since %s); retry later", m.Reason, m.Holder, m.Since.Format(time.RFC3339))
-		} else if s.flushPending.Load() {
-			why = "registry is read-only until its blob descriptor cache is flushed after garbage collection; retry later"
-		} else {
-			next.ServeHTTP(w, r)
-			return
-		}
-		w.Header().Set("Retry-After", "30")
-		writeRegistryError(w, http.StatusServiceUnavailable, "UNAVAILABLE", why)
-	})
-}
-
-// readOnlyState is the marker a Server last saw.
-type readOnlyState = atomic.Pointer[ReadOnlyMarker]

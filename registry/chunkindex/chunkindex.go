@@ -1,4 +1,9 @@
-package registry
+// Package chunkindex maps a chunk's uncompressed sha256 to the registry
+// blobs that carry it, so that a pusher can skip a chunk the registry holds
+// in another encoding or repository (SPEC.md 12.2). It is kept in the
+// registry's storage driver; entries are recorded only for blobs the
+// registry has read and verified.
+package chunkindex
 
 import (
 	"context"
@@ -7,22 +12,20 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"path"
 	"sync"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/distribution/distribution/v3"
-	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
-	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/semaphore"
 )
 
-// chunkIndex maps a chunk's uncompressed sha256 to the blobs that carry it.
+// Index maps a chunk's uncompressed sha256 to the blobs that carry it.
 // It is filled when a cryo file manifest is pushed, from the manifest's
 // chunk table, and stored in the registry's storage driver, one small entry
 // per (chunk, blob): /cryo/v1/chunks/sha256/<hh>/<chunk hex>/<blob hex>.
@@ -34,19 +37,19 @@ import (
 // each blob still exists and is linked in the recorded repository, and
 // drops entries whose blob is gone, so the index stays true after deletes
 // and garbage collection.
-type chunkIndex struct {
-	driver  storagedriver.StorageDriver
-	ns      distribution.Namespace
-	log     *slog.Logger
-	metrics *metrics
-	codec   *format.Codec
+type Index struct {
+	driver extstore.Driver
+	ns     distribution.Namespace
+	codec  *format.Codec
+	opts   Options
 	// mem bounds the bytes of blobs and decoded chunks held by
 	// verifications under way, across all manifest PUTs.
 	mem  *semaphore.Weighted
 	bufs sync.Pool
 }
 
-const chunksRoot = "/cryo/v1/chunks"
+// Root is where the index lives in the storage driver.
+const Root = "/cryo/v1/chunks"
 
 // Verification bounds. indexParallelism is how many chunks of one manifest
 // are checked at once (storage round trips overlap; decoding is bounded by
@@ -57,8 +60,26 @@ const (
 	verifyMemory     = 64 << 20
 )
 
-func newChunkIndex(driver storagedriver.StorageDriver, ns distribution.Namespace, log *slog.Logger, m *metrics, codec *format.Codec) *chunkIndex {
-	ci := &chunkIndex{driver: driver, ns: ns, log: log, metrics: m, codec: codec,
+// Options tune an Index.
+type Options struct {
+	// Logger receives what verification refuses. Default: slog.Default().
+	Logger *slog.Logger
+	// OnVerify, if set, is called after each chunk verification with
+	// whether the blob held the chunk (for metrics).
+	OnVerify func(ok bool)
+}
+
+// New returns the index kept in driver, which verifies blobs through ns
+// (the registry's namespace over the same storage) and decodes them with
+// codec.
+func New(driver extstore.Driver, ns distribution.Namespace, codec *format.Codec, opts Options) *Index {
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.OnVerify == nil {
+		opts.OnVerify = func(bool) {}
+	}
+	ci := &Index{driver: driver, ns: ns, opts: opts, codec: codec,
 		mem: semaphore.NewWeighted(max(verifyMemory, 2*format.MaxChunkSize))}
 	ci.bufs.New = func() any { return new([]byte) }
 	return ci
@@ -74,17 +95,18 @@ type indexEntry struct {
 
 func chunkDir(d digest.Digest) string {
 	hex := d.Encoded()
-	return path.Join(chunksRoot, d.Algorithm().String(), hex[:2], hex)
+	return path.Join(Root, d.Algorithm().String(), hex[:2], hex)
 }
 
-func entryPath(chunk, blob digest.Digest) string {
+// EntryPath is where the entry saying that blob carries chunk is stored.
+func EntryPath(chunk, blob digest.Digest) string {
 	return path.Join(chunkDir(chunk), blob.Encoded())
 }
 
-// indexManifest records the chunks of a cryo file manifest pushed to repo,
+// IndexManifest records the chunks of a cryo file manifest pushed to repo,
 // each after verifying that its blob holds it. A chunk whose blob does not
 // is left out (and logged); it fails nothing else.
-func (ci *chunkIndex) indexManifest(ctx context.Context, repo string, body []byte) error {
+func (ci *Index) IndexManifest(ctx context.Context, repo string, body []byte) error {
 	var m ocispec.Manifest
 	if err := json.Unmarshal(body, &m); err != nil || m.ArtifactType != format.ArtifactTypeFile || m.Config.MediaType != format.MediaTypeChunkTable {
 		return nil
@@ -129,8 +151,8 @@ func (ci *chunkIndex) indexManifest(ctx context.Context, repo string, body []byt
 
 // indexChunk records that chunk c is carried by its blob in repo, unless a
 // verified entry for that blob exists, after verifying it.
-func (ci *chunkIndex) indexChunk(ctx context.Context, repo string, r distribution.Repository, c format.Chunk) error {
-	p := entryPath(c.Digest, c.Blob)
+func (ci *Index) indexChunk(ctx context.Context, repo string, r distribution.Repository, c format.Chunk) error {
+	p := EntryPath(c.Digest, c.Blob)
 	if data, err := ci.driver.GetContent(ctx, p); err == nil {
 		var old indexEntry
 		if json.Unmarshal(data, &old) == nil && old.Verified && old.Digest == c.Blob {
@@ -153,12 +175,12 @@ func (ci *chunkIndex) indexChunk(ctx context.Context, repo string, r distributio
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		ci.metrics.chunkVerifications.WithLabelValues("refused").Inc()
-		ci.log.Warn("chunk index: chunk table names a blob that does not hold the chunk; not indexed",
+		ci.opts.OnVerify(false)
+		ci.opts.Logger.Warn("chunk index: chunk table names a blob that does not hold the chunk; not indexed",
 			"repository", repo, "chunk", c.Digest, "blob", c.Blob, "err", err)
 		return nil
 	}
-	ci.metrics.chunkVerifications.WithLabelValues("ok").Inc()
+	ci.opts.OnVerify(true)
 	return ci.put(ctx, p, indexEntry{Verified: true, ChunkBlob: api.ChunkBlob{
 		Encoding: string(c.Encoding), MediaType: c.MediaType(), Digest: c.Blob, Size: c.BlobSize, ChunkSize: c.Size, Repository: repo}})
 }
@@ -169,7 +191,7 @@ func (ci *chunkIndex) indexChunk(ctx context.Context, repo string, r distributio
 // (ParseTable checked that), and the registry checked the digest of the
 // bytes when they were uploaded, so its size is all that is left to check.
 // A zstd blob is read and decoded, never into more than c.Size bytes.
-func (ci *chunkIndex) verify(ctx context.Context, r distribution.Repository, c format.Chunk) error {
+func (ci *Index) verify(ctx context.Context, r distribution.Repository, c format.Chunk) error {
 	if c.Encoding == format.EncodingRaw {
 		desc, err := r.Blobs(ctx).Stat(ctx, c.Blob)
 		if err != nil {
@@ -204,7 +226,7 @@ func (ci *chunkIndex) verify(ctx context.Context, r distribution.Repository, c f
 // readBlob reads blob d, linked in r, into buf, after checking that its
 // real size is the size claimed for it: a manifest that claims a small
 // blob cannot make the registry read a large one.
-func (ci *chunkIndex) readBlob(ctx context.Context, r distribution.Repository, d digest.Digest, size int64, buf []byte) ([]byte, error) {
+func (ci *Index) readBlob(ctx context.Context, r distribution.Repository, d digest.Digest, size int64, buf []byte) ([]byte, error) {
 	desc, err := r.Blobs(ctx).Stat(ctx, d)
 	if err != nil {
 		return buf, fmt.Errorf("stat blob %s: %w", d, err)
@@ -227,7 +249,7 @@ func (ci *chunkIndex) readBlob(ctx context.Context, r distribution.Repository, d
 	return buf, nil
 }
 
-func (ci *chunkIndex) put(ctx context.Context, p string, e indexEntry) error {
+func (ci *Index) put(ctx context.Context, p string, e indexEntry) error {
 	data, _ := json.Marshal(e)
 	if err := ci.driver.PutContent(ctx, p, data); err != nil {
 		return fmt.Errorf("index chunk: %w", err)
@@ -235,13 +257,12 @@ func (ci *chunkIndex) put(ctx context.Context, p string, e indexEntry) error {
 	return nil
 }
 
-// lookup returns the verified live blobs that carry chunk d in the
+// Lookup returns the verified live blobs that carry chunk d in the
 // repositories visible says the caller may pull from, dropping stale
 // entries. The repositories the caller may not see cost no blob stat.
-func (ci *chunkIndex) lookup(ctx context.Context, d digest.Digest, visible func(repo string) bool) ([]api.ChunkBlob, error) {
+func (ci *Index) Lookup(ctx context.Context, d digest.Digest, visible func(repo string) bool) ([]api.ChunkBlob, error) {
 	entries, err := ci.driver.List(ctx, chunkDir(d))
-	var notFound storagedriver.PathNotFoundError
-	if errors.As(err, &notFound) {
+	if extstore.IsNotFound(err) {
 		return nil, nil
 	}
 	if err != nil {
@@ -271,7 +292,7 @@ func (ci *chunkIndex) lookup(ctx context.Context, d digest.Digest, visible func(
 }
 
 // linked reports whether blob b exists and is linked in its repository.
-func (ci *chunkIndex) linked(ctx context.Context, b api.ChunkBlob) (bool, error) {
+func (ci *Index) linked(ctx context.Context, b api.ChunkBlob) (bool, error) {
 	r, err := ci.repository(ctx, b.Repository)
 	if err != nil {
 		return false, nil
@@ -286,23 +307,14 @@ func (ci *chunkIndex) linked(ctx context.Context, b api.ChunkBlob) (bool, error)
 	return true, nil
 }
 
-func (ci *chunkIndex) repository(ctx context.Context, repo string) (distribution.Repository, error) {
-	return repositoryOf(ctx, ci.ns, repo)
+func (ci *Index) repository(ctx context.Context, repo string) (distribution.Repository, error) {
+	return extstore.Repository(ctx, ci.ns, repo)
 }
 
-// repositoryOf opens repository repo of ns.
-func repositoryOf(ctx context.Context, ns distribution.Namespace, repo string) (distribution.Repository, error) {
-	named, err := reference.WithName(repo)
-	if err != nil {
-		return nil, err
-	}
-	return ns.Repository(ctx, named)
-}
-
-// prune drops entries whose blob is no longer linked, and entries written
+// Prune drops entries whose blob is no longer linked, and entries written
 // before verification existed; gc calls it.
-func (ci *chunkIndex) prune(ctx context.Context) (int, error) {
-	return pruneEntries(ctx, ci.driver, chunksRoot, func(p string) bool {
+func (ci *Index) Prune(ctx context.Context) (int, error) {
+	return extstore.Prune(ctx, ci.driver, Root, func(p string) bool {
 		data, err := ci.driver.GetContent(ctx, p)
 		if err != nil {
 			return false
@@ -318,115 +330,3 @@ func (ci *chunkIndex) prune(ctx context.Context) (int, error) {
 		return err == nil && !live
 	})
 }
-
-// pruneEntries deletes the files under root for which stale is true and
-// counts them. A missing root has nothing to prune.
-func pruneEntries(ctx context.Context, driver storagedriver.StorageDriver, root string, stale func(path string) bool) (int, error) {
-	removed := 0
-	err := driver.Walk(ctx, root, func(fi storagedriver.FileInfo) error {
-		if !fi.IsDir() && stale(fi.Path()) && driver.Delete(ctx, fi.Path()) == nil {
-			removed++
-		}
-		return nil
-	})
-	var notFound storagedriver.PathNotFoundError
-	if errors.As(err, &notFound) {
-		return removed, nil
-	}
-	return removed, err
-}
-
-// handleChunkLookup answers GET /v2/_cryo/chunks/<digest>.
-func (s *Server) handleChunkLookup(w http.ResponseWriter, r *http.Request) {
-	if !s.authorize(w, r, "") {
-		return
-	}
-	d, err := digest.Parse(r.PathValue("digest"))
-	if err != nil {
-		writeRegistryError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
-		return
-	}
-	s.answerLookup(w, r, []digest.Digest{d}, true)
-}
-
-// maxLookupBody bounds a batch lookup's body: MaxLookupDigests digests of
-// 71 characters each, quoted, with commas, and room to spare.
-const maxLookupBody = 2 << 20
-
-// handleChunkBatch answers POST /v2/_cryo/chunks. The caller must reach the
-// registry before its body is read.
-func (s *Server) handleChunkBatch(w http.ResponseWriter, r *http.Request) {
-	if !s.authorize(w, r, "") {
-		return
-	}
-	var req api.LookupRequest
-	if err := json.NewDecoder(io.LimitReader(r.Body, maxLookupBody)).Decode(&req); err != nil {
-		writeRegistryError(w, http.StatusBadRequest, "UNSUPPORTED", "decode lookup request: "+err.Error())
-		return
-	}
-	if len(req.Digests) > api.MaxLookupDigests {
-		writeRegistryError(w, http.StatusBadRequest, "UNSUPPORTED", fmt.Sprintf("at most %d digests per lookup", api.MaxLookupDigests))
-		return
-	}
-	for _, d := range req.Digests {
-		if err := d.Validate(); err != nil {
-			writeRegistryError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
-			return
-		}
-	}
-	s.answerLookup(w, r, req.Digests, false)
-}
-
-// answerLookup answers a lookup of digests by a caller already allowed to
-// reach the registry. Each repository's pull access is checked once, the
-// first time an entry names it, before anything in it is looked at.
-func (s *Server) answerLookup(w http.ResponseWriter, r *http.Request, digests []digest.Digest, single bool) {
-	canPull := map[string]bool{}
-	visible := func(repo string) bool {
-		ok, seen := canPull[repo]
-		if !seen {
-			ok = s.allowed(r, repo)
-			canPull[repo] = ok
-		}
-		return ok
-	}
-	resp := api.LookupResponse{Chunks: map[digest.Digest][]api.ChunkBlob{}}
-	for _, d := range digests {
-		blobs, err := s.chunks.lookup(r.Context(), d, visible)
-		if err != nil {
-			writeRegistryError(w, http.StatusInternalServerError, "UNKNOWN", err.Error())
-			return
-		}
-		if len(blobs) > 0 {
-			resp.Chunks[d] = blobs
-			s.metrics.chunkLookups.WithLabelValues("hit").Inc()
-		} else {
-			s.metrics.chunkLookups.WithLabelValues("miss").Inc()
-		}
-	}
-	if single && len(resp.Chunks) == 0 {
-		writeRegistryError(w, http.StatusNotFound, "BLOB_UNKNOWN", "no blob carries chunk "+string(digests[0]))
-		return
-	}
-	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(resp)
-}
-
-// allowed reports whether the request's credentials, already allowed to
-// reach the registry, may pull from repo. htpasswd grants every
-// authenticated user everything (and checks a bcrypt hash per probe), so
-// only other access controllers are asked per repository.
-func (s *Server) allowed(r *http.Request, repo string) bool {
-	switch s.cfg.Auth.Type() {
-	case "", "htpasswd":
-		return true
-	}
-	return s.authorize(discardWriter{header: http.Header{}}, r, repo)
-}
-
-// discardWriter is a ResponseWriter that keeps nothing.
-type discardWriter struct{ header http.Header }
-
-func (d discardWriter) Header() http.Header       { return d.header }
-func (discardWriter) Write(b []byte) (int, error) { return len(b), nil }
-func (discardWriter) WriteHeader(int)             {}

@@ -1,4 +1,4 @@
-package registry
+package maintenance
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cryo-oci/cryo/registry/extstore"
+	"github.com/cryo-oci/cryo/registry/layout"
 	"github.com/distribution/distribution/v3"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/opencontainers/go-digest"
@@ -47,8 +49,6 @@ type graceKeeper struct {
 	kept  map[digest.Digest]bool // blobs whose deletion was refused
 }
 
-const repositoriesRoot = "/docker/registry/v2/repositories"
-
 var (
 	graceBlobPath     = regexp.MustCompile(`^/docker/registry/v2/blobs/([a-z0-9]+)/[a-f0-9]{2}/([a-f0-9]+)$`)
 	graceLayerPath    = regexp.MustCompile(`^/docker/registry/v2/repositories/.+/_layers/([a-z0-9]+)/([a-f0-9]+)(/link)?$`)
@@ -69,7 +69,7 @@ func newGraceKeeper(ctx context.Context, driver storagedriver.StorageDriver, ns 
 		d    digest.Digest
 	}
 	var manifests []manifest
-	err := driver.Walk(ctx, repositoriesRoot, func(fi storagedriver.FileInfo) error {
+	err := driver.Walk(ctx, layout.RepositoriesRoot, func(fi storagedriver.FileInfo) error {
 		if fi.IsDir() {
 			// Uploads under way have no link yet; tag history is not needed.
 			if path.Base(fi.Path()) == "_uploads" || strings.HasSuffix(fi.Path(), "/_manifests/tags") {
@@ -110,7 +110,7 @@ func (g *graceKeeper) keepReferences(ctx context.Context, ns distribution.Namesp
 		return nil
 	}
 	seen[d] = true
-	r, err := repositoryOf(ctx, ns, repo)
+	r, err := extstore.Repository(ctx, ns, repo)
 	if err != nil {
 		return nil
 	}
@@ -190,7 +190,7 @@ func (g *graceKeeper) blobYoung(ctx context.Context, d digest.Digest) (bool, err
 	if young || old {
 		return young, nil
 	}
-	young, err := g.modifiedAfterCutoff(ctx, blobDataPath(d))
+	young, err := g.modifiedAfterCutoff(ctx, layout.BlobDataPath(d))
 	if err != nil {
 		return false, err
 	}

@@ -1,0 +1,107 @@
+package registry
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+
+	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/gorilla/mux"
+	"github.com/opencontainers/go-digest"
+)
+
+// handleChunkLookup answers GET /v2/_cryo/chunks/<digest>.
+func (s *Server) handleChunkLookup(w http.ResponseWriter, r *http.Request) {
+	if !s.authorize(w, r, "") {
+		return
+	}
+	d, err := digest.Parse(mux.Vars(r)["digest"])
+	if err != nil {
+		writeRegistryError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
+		return
+	}
+	s.answerLookup(w, r, []digest.Digest{d}, true)
+}
+
+// maxLookupBody bounds a batch lookup's body: MaxLookupDigests digests of
+// 71 characters each, quoted, with commas, and room to spare.
+const maxLookupBody = 2 << 20
+
+// handleChunkBatch answers POST /v2/_cryo/chunks. The caller must reach the
+// registry before its body is read.
+func (s *Server) handleChunkBatch(w http.ResponseWriter, r *http.Request) {
+	if !s.authorize(w, r, "") {
+		return
+	}
+	var req api.LookupRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxLookupBody)).Decode(&req); err != nil {
+		writeRegistryError(w, http.StatusBadRequest, "UNSUPPORTED", "decode lookup request: "+err.Error())
+		return
+	}
+	if len(req.Digests) > api.MaxLookupDigests {
+		writeRegistryError(w, http.StatusBadRequest, "UNSUPPORTED", fmt.Sprintf("at most %d digests per lookup", api.MaxLookupDigests))
+		return
+	}
+	for _, d := range req.Digests {
+		if err := d.Validate(); err != nil {
+			writeRegistryError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
+			return
+		}
+	}
+	s.answerLookup(w, r, req.Digests, false)
+}
+
+// answerLookup answers a lookup of digests by a caller already allowed to
+// reach the registry. Each repository's pull access is checked once, the
+// first time an entry names it, before anything in it is looked at.
+func (s *Server) answerLookup(w http.ResponseWriter, r *http.Request, digests []digest.Digest, single bool) {
+	canPull := map[string]bool{}
+	visible := func(repo string) bool {
+		ok, seen := canPull[repo]
+		if !seen {
+			ok = s.allowed(r, repo)
+			canPull[repo] = ok
+		}
+		return ok
+	}
+	resp := api.LookupResponse{Chunks: map[digest.Digest][]api.ChunkBlob{}}
+	for _, d := range digests {
+		blobs, err := s.chunks.Lookup(r.Context(), d, visible)
+		if err != nil {
+			writeRegistryError(w, http.StatusInternalServerError, "UNKNOWN", err.Error())
+			return
+		}
+		if len(blobs) > 0 {
+			resp.Chunks[d] = blobs
+			s.metrics.chunkLookups.WithLabelValues("hit").Inc()
+		} else {
+			s.metrics.chunkLookups.WithLabelValues("miss").Inc()
+		}
+	}
+	if single && len(resp.Chunks) == 0 {
+		writeRegistryError(w, http.StatusNotFound, "BLOB_UNKNOWN", "no blob carries chunk "+string(digests[0]))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(resp)
+}
+
+// allowed reports whether the request's credentials, already allowed to
+// reach the registry, may pull from repo. htpasswd grants every
+// authenticated user everything (and checks a bcrypt hash per probe), so
+// only other access controllers are asked per repository.
+func (s *Server) allowed(r *http.Request, repo string) bool {
+	switch s.cfg.Auth.Type() {
+	case "", "htpasswd":
+		return true
+	}
+	return s.authorize(discardWriter{header: http.Header{}}, r, repo)
+}
+
+// discardWriter is a ResponseWriter that keeps nothing.
+type discardWriter struct{ header http.Header }
+
+func (d discardWriter) Header() http.Header       { return d.header }
+func (discardWriter) Write(b []byte) (int, error) { return len(b), nil }
+func (discardWriter) WriteHeader(int)             {}
