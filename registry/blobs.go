@@ -6,7 +6,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/cryo-oci/cryo/registry/layout"
+	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 )
@@ -45,7 +45,7 @@ func (s *Server) serveBlobFile(w http.ResponseWriter, r *http.Request, repo, ref
 	if err != nil {
 		return false
 	}
-	rc, err := s.driver.Reader(ctx, layout.BlobDataPath(desc.Digest), 0)
+	rc, err := s.driver.Reader(ctx, distlayout.BlobDataPath(desc.Digest), 0)
 	if err != nil {
 		return false
 	}

@@ -16,7 +16,7 @@ import (
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
-	"github.com/cryo-oci/cryo/registry/layout"
+	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/distribution/distribution/v3/registry/storage"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
@@ -333,7 +333,7 @@ func TestChunkTableSizeIsChecked(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
-	if read := rd.touched(layout.BlobDataPath(bigDigest), true); len(read) != 0 {
+	if read := rd.touched(distlayout.BlobDataPath(bigDigest), true); len(read) != 0 {
 		t.Fatalf("the registry read the oversized table: %v", read)
 	}
 }

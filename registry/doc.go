@@ -20,7 +20,7 @@
 // The jobs live in sub-packages, each over the storage driver:
 // chunkindex (chunk digest to verified blobs), referrers (OCI 1.1
 // referrers), maintenance (gc, read-only lease, redis cache flush), and
-// extstore and layout (what they share about cryo's and distribution's
+// extstore and distlayout (what they share about cryo's and distribution's
 // storage layouts). Extension state lives in the registry's own storage
 // driver under /cryo/v1/, so replicas sharing an object store share it too.
 package registry

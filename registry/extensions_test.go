@@ -9,7 +9,7 @@ import (
 
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
-	"github.com/cryo-oci/cryo/registry/layout"
+	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/cryo-oci/cryo/registry/referrers"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/distribution/distribution/v3/configuration"
@@ -80,9 +80,9 @@ func TestBlobLayoutIsDistributions(t *testing.T) {
 	if resp := uploadBlob(t, reg, "layout", d, data); resp.StatusCode != http.StatusCreated {
 		t.Fatalf("upload: %s", resp.Status)
 	}
-	fi, err := reg.srv.driver.Stat(context.Background(), layout.BlobDataPath(d))
+	fi, err := reg.srv.driver.Stat(context.Background(), distlayout.BlobDataPath(d))
 	if err != nil || fi.Size() != int64(len(data)) {
-		t.Fatalf("distribution no longer stores blobs at %s (%v): update blobs.go", layout.BlobDataPath(d), err)
+		t.Fatalf("distribution no longer stores blobs at %s (%v): update blobs.go", distlayout.BlobDataPath(d), err)
 	}
 }
 

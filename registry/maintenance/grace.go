@@ -10,8 +10,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/cryo-oci/cryo/registry/extstore"
-	"github.com/cryo-oci/cryo/registry/layout"
 	"github.com/distribution/distribution/v3"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/opencontainers/go-digest"
@@ -69,7 +69,7 @@ func newGraceKeeper(ctx context.Context, driver storagedriver.StorageDriver, ns 
 		d    digest.Digest
 	}
 	var manifests []manifest
-	err := driver.Walk(ctx, layout.RepositoriesRoot, func(fi storagedriver.FileInfo) error {
+	err := driver.Walk(ctx, distlayout.RepositoriesRoot, func(fi storagedriver.FileInfo) error {
 		if fi.IsDir() {
 			// Uploads under way have no link yet; tag history is not needed.
 			if path.Base(fi.Path()) == "_uploads" || strings.HasSuffix(fi.Path(), "/_manifests/tags") {
@@ -190,7 +190,7 @@ func (g *graceKeeper) blobYoung(ctx context.Context, d digest.Digest) (bool, err
 	if young || old {
 		return young, nil
 	}
-	young, err := g.modifiedAfterCutoff(ctx, layout.BlobDataPath(d))
+	young, err := g.modifiedAfterCutoff(ctx, distlayout.BlobDataPath(d))
 	if err != nil {
 		return false, err
 	}

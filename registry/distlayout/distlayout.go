@@ -1,10 +1,10 @@
-// Package layout names the paths of distribution v3's storage layout that
+// Package distlayout names the paths of distribution v3's storage layout that
 // cryo reads directly instead of through distribution's storage API: blob
 // data, to serve it with sendfile, and the link files whose modification
 // times give content its age for gc's grace period. distribution keeps this
 // layout unexported; registry's TestBlobLayoutIsDistributions fails if it
 // moves.
-package layout
+package distlayout
 
 import (
 	"path"
