@@ -8,16 +8,19 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
 
+	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sys/unix"
 	"oras.land/oras-go/v2/content"
 )
 
-// UnpackOptions tune Unpack.
+// UnpackOptions tune Unpack and UnpackFrom.
 type UnpackOptions struct {
 	// Concurrency is how many chunks are fetched and decoded at once
 	// (default GOMAXPROCS).
@@ -26,6 +29,20 @@ type UnpackOptions struct {
 	// goroutines and in no particular order, with fetched false for chunks
 	// that were already on disk from an interrupted run and for zero chunks.
 	OnChunk func(c Chunk, fetched bool)
+	// Private makes every file 0600 and every dir 0700, whatever modes the
+	// snapshot records (a snapshot is a process's memory: the puller's
+	// materialized dirs are its alone). By default files get the modes the
+	// snapshot records and dirs 0755.
+	Private bool
+	// Staging, if set, is the dir to write in instead of PartialDir(dir):
+	// one the caller created, that only it can write (it is neither locked
+	// nor checked like a partial dir). Files found in it are resumed from.
+	Staging string
+	// Commit, if set, moves the staging dir into place instead of renaming
+	// it to dir: it is called with every file of the snapshot written,
+	// verified and flushed, every other file removed, and every dir
+	// flushed. It must leave dir absent or complete after a crash.
+	Commit func(staging string) error
 }
 
 // UnpackStats counts what Unpack did.
@@ -51,47 +68,83 @@ func PartialDir(dir string) string {
 }
 
 // Unpack restores the snapshot desc from src into dir, which must not exist
-// or be an empty directory. Every chunk and every file is verified. Files
-// are written into PartialDir(dir) and moved into place by one rename only
-// when all of them verified, so dir never holds a partial or corrupt
-// snapshot. If an earlier Unpack into dir was interrupted, the chunks it
-// left on disk are verified and kept instead of being fetched again, if
-// that partial dir is safe to reuse: it and everything in it belong to the
-// current user, no dir in it is writable by group or others, and it holds
-// no symlink or special file; otherwise Unpack fails with ErrUnsafePartial.
-// Every file and dir is fsynced before the rename and the parent after it,
-// so after a crash dir is absent or complete. Zero chunks are left as holes
-// (sparse files).
+// or be an empty directory: it loads the snapshot and every chunk table,
+// then writes the files with UnpackFrom, reading chunks with a Reader over
+// src. Every chunk and file is verified, the files are written in
+// PartialDir(dir) (resuming from what an interrupted Unpack left there, if
+// it is safe to reuse) and renamed into place: after a crash, dir is absent
+// or complete.
 func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, dir string, opts UnpackOptions) (*Snapshot, *UnpackStats, error) {
 	snap, err := LoadSnapshot(ctx, src, desc)
 	if err != nil {
 		return nil, nil, err
 	}
-	partial, unlock, err := openPartial(dir)
+	chunks, err := LoadChunks(ctx, src, snap)
 	if err != nil {
 		return nil, nil, err
 	}
-	defer unlock()
-	r, err := NewReader(src, opts.Concurrency)
+	r, err := NewReader(src)
 	if err != nil {
 		return nil, nil, err
 	}
 	defer r.Close()
-	st := &UnpackStats{}
+	st, err := UnpackFrom(ctx, snap, chunks, r, dir, opts)
+	if err != nil {
+		return nil, st, err
+	}
+	return snap, st, nil
+}
+
+// UnpackFrom writes snapshot snap, whose files' chunks are chunks (from
+// LoadChunks), into dir, reading every chunk from src. Every chunk is
+// verified and every whole file checked against its sha256; zero chunks
+// are left as holes (sparse files). Files are written into PartialDir(dir)
+// and moved into place by one rename only when all of them verified, so
+// dir never holds a partial or corrupt snapshot. If an earlier unpack into
+// dir was interrupted, the chunks it left on disk are verified and kept
+// instead of being read again, if that partial dir is safe to reuse: it and
+// everything in it belong to the current user, no dir in it is writable by
+// group or others, and it holds no symlink or special file; otherwise
+// UnpackFrom fails with ErrUnsafePartial. Every file is flushed (fdatasync)
+// and every dir (fsync) before the rename, and the parent after it, so
+// after a crash dir is absent or complete. opts.Staging and opts.Commit
+// replace the partial dir and the rename (the puller's node cache commits
+// its image dirs its own way).
+func UnpackFrom(ctx context.Context, snap *Snapshot, chunks [][]Chunk, src ChunkSource, dir string, opts UnpackOptions) (*UnpackStats, error) {
+	if len(chunks) != len(snap.Files) {
+		return nil, fmt.Errorf("unpack %s: chunks of %d files for %d files", snap.Descriptor.Digest, len(chunks), len(snap.Files))
+	}
+	staging := opts.Staging
+	if staging == "" {
+		partial, unlock, err := openPartial(dir)
+		if err != nil {
+			return nil, err
+		}
+		defer unlock()
+		staging = partial
+	}
+	if opts.Concurrency <= 0 {
+		opts.Concurrency = runtime.GOMAXPROCS(0)
+	}
+	w := &writer{fr: newFileReader(src, opts.Concurrency), root: staging, opts: opts, st: &UnpackStats{}}
 	keep := map[string]bool{}
 	for i := range snap.Files {
 		f := &snap.Files[i]
 		keep[filepath.FromSlash(f.Path)] = true
-		if err := writeFile(ctx, r, partial, f, st, opts.OnChunk); err != nil {
-			return nil, st, err
+		if err := w.writeFile(ctx, f, chunks[i]); err != nil {
+			return w.st, err
 		}
-		st.Files++
-		st.LogicalBytes += f.Size
+		w.st.Files++
+		w.st.LogicalBytes += f.Size
 	}
-	if err := commitPartial(partial, dir, keep); err != nil {
-		return nil, st, err
+	if err := w.finish(keep); err != nil {
+		return w.st, err
 	}
-	return snap, st, nil
+	commit := opts.Commit
+	if commit == nil {
+		commit = func(staging string) error { return renameInto(staging, dir) }
+	}
+	return w.st, commit(staging)
 }
 
 // openPartial creates or reopens PartialDir(dir), after checking that dir
@@ -176,13 +229,19 @@ func checkPartial(d *os.File, partial string) error {
 	})
 }
 
-// commitPartial removes files of partial that are not in keep (left by an
-// interrupted unpack of another snapshot), syncs every dir in it (the
-// files were synced when written) and renames it to dir, then syncs dir's
-// parent: after a crash, dir is either absent or complete.
-func commitPartial(partial, dir string, keep map[string]bool) error {
+// The modes UnpackFrom gives dirs, and files with opts.Private.
+const (
+	dirMode         = 0o755
+	privateDirMode  = 0o700
+	privateFileMode = 0o600
+)
+
+// finishDir removes the files under root that are not in keep (left by an
+// interrupted unpack of another snapshot), gives root its mode and syncs
+// every dir under it (the files were synced when written), children first.
+func finishDir(root string, keep map[string]bool, mode fs.FileMode) error {
 	var dirs []string
-	err := filepath.WalkDir(partial, func(p string, d fs.DirEntry, err error) error {
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -190,24 +249,30 @@ func commitPartial(partial, dir string, keep map[string]bool) error {
 			dirs = append(dirs, p)
 			return nil
 		}
-		rel, _ := filepath.Rel(partial, p)
+		rel, _ := filepath.Rel(root, p)
 		if !keep[rel] {
 			return os.Remove(p)
 		}
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("clean %s: %w", partial, err)
+		return fmt.Errorf("clean %s: %w", root, err)
 	}
-	if err := os.Chmod(partial, 0o755); err != nil {
+	if err := os.Chmod(root, mode); err != nil {
 		return err
 	}
-	// Children first, the partial dir itself last.
 	for i := len(dirs) - 1; i >= 0; i-- {
-		if err := syncDir(dirs[i]); err != nil {
+		if err := atomicfile.SyncDir(dirs[i]); err != nil {
 			return err
 		}
 	}
+	return nil
+}
+
+// renameInto renames the finished dir partial to dir, which must be absent
+// or an empty dir, then syncs dir's parent: after a crash, dir is either
+// absent or complete.
+func renameInto(partial, dir string) error {
 	if err := checkTarget(dir); err != nil {
 		return err
 	}
@@ -215,7 +280,7 @@ func commitPartial(partial, dir string, keep map[string]bool) error {
 	if err := os.Rename(partial, dir); err != nil {
 		return fmt.Errorf("move unpacked snapshot into place: %w", err)
 	}
-	return syncDir(filepath.Dir(filepath.Clean(dir)))
+	return atomicfile.SyncDir(filepath.Dir(filepath.Clean(dir)))
 }
 
 // checkTarget refuses a dir that exists and is not an empty directory.
@@ -233,15 +298,38 @@ func checkTarget(dir string) error {
 	return nil
 }
 
-// writeFile writes one verified file under root, reusing verified chunks
-// that an interrupted unpack left in it.
-func writeFile(ctx context.Context, r *Reader, root string, f *File, st *UnpackStats, onChunk func(Chunk, bool)) error {
+// writer writes the files of one UnpackFrom into its staging dir.
+type writer struct {
+	fr   *fileReader
+	root string
+	opts UnpackOptions
+	mu   sync.Mutex // guards st
+	st   *UnpackStats
+}
+
+// finish readies the staging dir for the commit (finishDir).
+func (w *writer) finish(keep map[string]bool) error {
+	mode := fs.FileMode(dirMode)
+	if w.opts.Private {
+		mode = privateDirMode
+	}
+	return finishDir(w.root, keep, mode)
+}
+
+// writeFile writes file f, whose chunks are chunks, under the staging dir,
+// verified and flushed, reusing the verified chunks that an interrupted
+// unpack left in it.
+func (w *writer) writeFile(ctx context.Context, f *File, chunks []Chunk) error {
 	// f.Path was validated by ParseIndex: relative, clean, no "..".
-	name := filepath.Join(root, filepath.FromSlash(f.Path))
-	if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+	name := filepath.Join(w.root, filepath.FromSlash(f.Path))
+	dmode, fmode := fs.FileMode(dirMode), f.Mode
+	if w.opts.Private {
+		dmode, fmode = privateDirMode, privateFileMode
+	}
+	if err := os.MkdirAll(filepath.Dir(name), dmode); err != nil {
 		return fmt.Errorf("create parent of %s: %w", f.Path, err)
 	}
-	fh, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	fh, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, privateFileMode)
 	if err != nil {
 		return fmt.Errorf("create %s: %w", f.Path, err)
 	}
@@ -251,28 +339,27 @@ func writeFile(ctx context.Context, r *Reader, root string, f *File, st *UnpackS
 		return fmt.Errorf("stat %s: %w", f.Path, err)
 	}
 	if !info.Mode().IsRegular() {
-		return fmt.Errorf("%s in %s is not a regular file", f.Path, root)
+		return fmt.Errorf("%s in %s is not a regular file", f.Path, w.root)
 	}
 	var local io.ReaderAt
 	resumed := info.Size() > 0
 	if resumed {
 		local = fh
 	}
-	var mu sync.Mutex
-	err = r.ReadFile(ctx, f, local, func(c Chunk, data []byte, fromLocal bool) error {
+	err = w.fr.readFile(ctx, f, chunks, local, func(c Chunk, data []byte, fromLocal bool) error {
 		if c.Encoding != EncodingZero {
-			mu.Lock()
+			w.mu.Lock()
 			if fromLocal {
-				st.ChunksReused++
-				st.ReusedBytes += c.Size
+				w.st.ChunksReused++
+				w.st.ReusedBytes += c.Size
 			} else {
-				st.ChunksFetched++
-				st.FetchedBytes += c.BlobSize
+				w.st.ChunksFetched++
+				w.st.FetchedBytes += c.BlobSize
 			}
-			mu.Unlock()
+			w.mu.Unlock()
 		}
-		if onChunk != nil {
-			onChunk(c, !fromLocal && c.Encoding != EncodingZero)
+		if w.opts.OnChunk != nil {
+			w.opts.OnChunk(c, !fromLocal && c.Encoding != EncodingZero)
 		}
 		// A fresh file's zero chunks stay holes (Truncate below sets the
 		// size); in a resumed file they are written unless already zero.
@@ -290,25 +377,13 @@ func writeFile(ctx context.Context, r *Reader, root string, f *File, st *UnpackS
 	if err := fh.Truncate(f.Size); err != nil {
 		return fmt.Errorf("size %s: %w", f.Path, err)
 	}
-	if err := fh.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", f.Path, err)
-	}
-	if err := fh.Chmod(f.Mode); err != nil {
+	if err := fh.Chmod(fmode); err != nil {
 		return fmt.Errorf("chmod %s: %w", f.Path, err)
 	}
+	if err := unix.Fdatasync(int(fh.Fd())); err != nil {
+		return fmt.Errorf("sync %s: %w", f.Path, err)
+	}
 	return fh.Close()
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", dir, err)
-	}
-	return nil
 }
 
 // VerifyStats counts what Verify checked.
@@ -329,20 +404,28 @@ func Verify(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, c
 	if err != nil {
 		return nil, nil, err
 	}
-	r, err := NewReader(src, concurrency)
+	chunks, err := LoadChunks(ctx, src, snap)
+	if err != nil {
+		return snap, nil, err
+	}
+	r, err := NewReader(src)
 	if err != nil {
 		return nil, nil, err
 	}
 	defer r.Close()
+	if concurrency <= 0 {
+		concurrency = runtime.GOMAXPROCS(0)
+	}
+	fr := newFileReader(r, concurrency)
 	st := &VerifyStats{}
 	for i := range snap.Files {
 		f := &snap.Files[i]
-		var chunks atomic.Int64
-		if err := r.ReadFile(ctx, f, nil, func(Chunk, []byte, bool) error { chunks.Add(1); return nil }); err != nil {
+		var n atomic.Int64
+		if err := fr.readFile(ctx, f, chunks[i], nil, func(Chunk, []byte, bool) error { n.Add(1); return nil }); err != nil {
 			return snap, st, err
 		}
 		st.Files++
-		st.Chunks += int(chunks.Load())
+		st.Chunks += int(n.Load())
 		st.LogicalBytes += f.Size
 	}
 	return snap, st, nil
@@ -403,7 +486,10 @@ func UnpackFiles(ctx context.Context, src content.Fetcher, desc ocispec.Descript
 			return fetched, fmt.Errorf("%s: %w", name, err)
 		}
 	}
-	return fetched, commitPartial(partial, dir, keep)
+	if err := finishDir(partial, keep, dirMode); err != nil {
+		return fetched, err
+	}
+	return fetched, renameInto(partial, dir)
 }
 
 // fetchLayerFile writes layer l to name, verifying its digest while it

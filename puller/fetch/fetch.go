@@ -9,6 +9,16 @@
 // deadline: gVisor kills a sandbox on a read error, so a read must wait
 // rather than fail fast.
 //
+// A verified chunk goes to the reads waiting for it at once and is written
+// into the node cache in the background (fsynced before it appears there,
+// see cache.Store.PutVerified), by a few writers behind a queue bounded in
+// bytes: a fetch worker goes on to its next chunk instead of waiting for the
+// disk, and a disk slower than the network slows fetching down instead of
+// growing the queue. Until its write is over, a chunk stays in flight: a
+// read of it gets the verified bytes from memory and does not fetch it
+// again, and a prefetch of it is not done. A failed write (a full disk)
+// fails no read; the chunk is fetched again when next needed.
+//
 // Mounts are isolated from each other: a fetch in flight is shared only
 // between requests for the same chunk stored the same way (chunk digest,
 // blob digest, encoding, sizes: a key), and only its success is shared. A
@@ -21,7 +31,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"math/rand/v2"
 	"sync"
@@ -62,6 +71,13 @@ type Options struct {
 	// chunk that two mounts need at the same moment one fetch, if both ask
 	// for it stored the same way (see the package doc). Optional.
 	InFlight *singleflight.Group
+	// Writers is how many verified chunks are written into the node cache
+	// at once, in the background (default 4).
+	Writers int
+	// WriteBuffer bounds the bytes of verified chunks queued or being
+	// written into the node cache (default 64 MiB; at least one chunk is
+	// always let in). Fetching waits while it is full.
+	WriteBuffer int64
 }
 
 // Priority orders fetches.
@@ -111,12 +127,22 @@ func (k key) String() string {
 	return fmt.Sprintf("%s %s %s %d %d", k.digest, k.blob, k.encoding, k.size, k.blobSize)
 }
 
+// chunkStore is the node cache as the scheduler uses it (a *cache.Store;
+// tests wrap one to hold its writes).
+type chunkStore interface {
+	Has(d digest.Digest) bool
+	Get(d digest.Digest, buf []byte, verify bool) ([]byte, error)
+	PutVerified(d digest.Digest, data []byte) error
+}
+
 // Scheduler fetches chunks into a node cache.
 type Scheduler struct {
 	endpoints []Endpoint
-	cache     *cache.Store
+	cache     chunkStore
 	codec     *format.Codec
 	opts      Options
+	// w writes verified chunks into the cache.
+	w *writer
 
 	// ctx is canceled by Close: it stops fetches and their retries.
 	ctx    context.Context
@@ -135,22 +161,27 @@ type Scheduler struct {
 	wg sync.WaitGroup
 }
 
-// call is one chunk being fetched; waiters block on done.
+// call is one chunk being fetched and stored; waiters block on done.
 type call struct {
 	chunk   format.Chunk
 	prio    Priority
 	started bool
-	// done is closed when the call is over: the chunk is in the node
-	// cache, or err says why not.
-	done chan struct{}
-	// ready is closed when readers may go on: as soon as a read's chunk
-	// is verified (data set), before it is written to the node cache and
+	// demand: a read (Get) waits for the call, not only prefetches.
+	demand bool
+	// done is closed when the call is over (finished set): the chunk is
+	// in the node cache, flushed, or err says why not.
+	done     chan struct{}
+	finished bool
+	// ready is closed when readers may go on: as soon as the chunk is
+	// verified (data set), before it is written to the node cache and
 	// fsynced, so that a page fault does not wait for the disk; else
 	// with done.
 	ready     chan struct{}
 	readyOnce sync.Once
-	data      []byte // verified bytes, kept only for demand waiters
-	err       error
+	// data is the verified bytes while the chunk is being written, and
+	// after a failed write if a read waits; nil once it is in the cache.
+	data []byte
+	err  error
 }
 
 // readyData returns the verified bytes handed to readers, if any.
@@ -166,8 +197,12 @@ func (cl *call) markReady() { cl.readyOnce.Do(func() { close(cl.ready) }) }
 // ErrClosed is returned for fetches after Close.
 var ErrClosed = errors.New("fetch scheduler closed")
 
-// New starts a Scheduler with its workers.
+// New starts a Scheduler with its workers and cache writers.
 func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options) *Scheduler {
+	return newWithStore(endpoints, c, codec, opts)
+}
+
+func newWithStore(endpoints []Endpoint, c chunkStore, codec *format.Codec, opts Options) *Scheduler {
 	if opts.Workers <= 0 {
 		opts.Workers = 12
 	}
@@ -180,7 +215,14 @@ func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
+	if opts.Writers <= 0 {
+		opts.Writers = 4
+	}
+	if opts.WriteBuffer <= 0 {
+		opts.WriteBuffer = 64 << 20
+	}
 	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}}
+	s.w = newWriter(c.PutVerified, opts.Writers, opts.WriteBuffer, opts.Metrics)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.cond = sync.NewCond(&s.mu)
 	for range opts.Workers {
@@ -193,8 +235,11 @@ func New(endpoints []Endpoint, c *cache.Store, codec *format.Codec, opts Options
 // Close stops the workers and cancels the fetches in flight, retries
 // included: queued and running fetches fail with ErrClosed, and so do the
 // reads waiting for them. It returns once the workers have stopped, without
-// waiting for a fetch deadline. A fetch that another mount's scheduler runs
-// and this one waits for goes on for that mount.
+// waiting for a fetch deadline, and the chunks already fetched and queued
+// for the node cache are written (at most Options.WriteBuffer bytes):
+// nothing of this scheduler writes to the cache once Close returns. A fetch
+// that another mount's scheduler runs and this one waits for goes on for
+// that mount.
 func (s *Scheduler) Close() {
 	s.mu.Lock()
 	s.closed = true
@@ -212,6 +257,9 @@ func (s *Scheduler) Close() {
 	}
 	s.cond.Broadcast()
 	s.mu.Unlock()
+	// Workers waiting for room in the write queue give up, and the
+	// writes queued are done.
+	s.w.close()
 	s.wg.Wait()
 }
 
@@ -250,8 +298,8 @@ func (s *Scheduler) Get(ctx context.Context, c format.Chunk, buf []byte, prio Pr
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
-		// Verified bytes handed over before the cache write: a read is
-		// served even if that write then fails (a full disk).
+		// Verified bytes handed over before the cache write is over: a
+		// read is served even if that write then fails (a full disk).
 		if data := cl.readyData(&s.mu); data != nil {
 			s.opts.Metrics.demandLatency(time.Since(start))
 			return data, nil
@@ -325,6 +373,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	}
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
+		cl.demand = cl.demand || prio > Prefetch
 		if prio > cl.prio && !cl.started {
 			// Promote a queued call; its entry in the lower queue is
 			// skipped when met.
@@ -334,7 +383,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		}
 		return cl, nil
 	}
-	cl := &call{chunk: c, prio: prio, done: make(chan struct{}), ready: make(chan struct{})}
+	cl := &call{chunk: c, prio: prio, demand: prio > Prefetch, done: make(chan struct{}), ready: make(chan struct{})}
 	s.calls[k] = cl
 	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
@@ -399,102 +448,161 @@ func (s *Scheduler) record(cl *call) {
 
 func (s *Scheduler) worker() {
 	defer s.wg.Done()
-	var buf []byte
 	for {
 		cl := s.next()
 		if cl == nil {
 			return
 		}
-		// Readers waiting for the chunk get its verified bytes before
-		// they are written to the node cache.
-		publish := func(data []byte) {
-			s.mu.Lock()
-			if cl.prio > Prefetch && cl.data == nil {
-				cl.data = append([]byte(nil), data...)
-				cl.markReady()
-			}
-			s.mu.Unlock()
-		}
-		data, err := s.fetchOnce(cl.chunk, buf, publish)
+		s.run(cl)
 		s.mu.Lock()
-		if err == nil && data != nil && cl.prio > Prefetch && cl.data == nil {
-			cl.data = append([]byte(nil), data...)
-		}
-		cl.err = err
-		delete(s.calls, keyOf(cl.chunk))
-		close(cl.done)
-		cl.markReady()
 		s.active[cl.prio]--
 		s.cond.Broadcast() // lower priorities may run now
 		s.mu.Unlock()
-		if data != nil {
-			buf = data
-		}
 	}
 }
 
-// fetchOnce fetches a chunk into the cache unless another mount's
-// scheduler on the node has (then waiters read it from the cache, and it
-// returns no bytes) or is fetching it stored the same way (then it waits
-// for that fetch). Only another mount's success is taken: if that fetch
-// fails (its endpoints, or its mount was closed), this one fetches from
-// its own endpoints.
-func (s *Scheduler) fetchOnce(c format.Chunk, buf []byte, verified func([]byte)) ([]byte, error) {
+// run fetches cl's chunk and returns once its write into the node cache is
+// queued (the writer finishes the call) or the call is finished. If another
+// mount's scheduler on the node has fetched the chunk (then it is in the
+// cache) or is fetching it stored the same way, the call waits for that
+// fetch and its write. Only another mount's success is taken, and its
+// verified bytes if its write failed: if that fetch fails (its endpoints,
+// or its mount was closed), this one fetches from its own endpoints.
+func (s *Scheduler) run(cl *call) {
+	finish := func(data []byte, err error) { s.finish(cl, data, err) }
 	if s.opts.InFlight == nil {
-		return s.fetchAndStore(c, buf, verified)
+		s.fetchAndStore(cl, finish)
+		return
 	}
+	// The node-wide fetch lasts until the chunk is in the cache, so that
+	// no mount fetches it again meanwhile; this worker goes on as soon as
+	// the write is queued.
+	queued := make(chan struct{})
 	ran := false
-	ch := s.opts.InFlight.DoChan(keyOf(c).String(), func() (any, error) {
+	ch := s.opts.InFlight.DoChan(keyOf(cl.chunk).String(), func() (any, error) {
 		ran = true
-		return s.fetchAndStore(c, buf, verified)
+		out := make(chan outcome, 1)
+		s.fetchAndStore(cl, func(data []byte, err error) { out <- outcome{data, err} })
+		close(queued)
+		r := <-out
+		s.finish(cl, r.data, r.err)
+		return r.data, r.err
 	})
 	select {
+	case <-queued:
 	case res := <-ch:
 		if ran {
-			data, _ := res.Val.([]byte)
-			return data, res.Err
+			return // finished by the fetch itself
 		}
 		if res.Err == nil {
-			return nil, nil // in the cache
+			finish(nil, nil) // in the cache
+			return
 		}
-		s.opts.Logger.Info("fetch chunk: another mount's fetch failed; fetching from this mount's endpoints", "chunk", c.Digest, "err", res.Err)
-		return s.fetchAndStore(c, buf, verified)
+		if data, _ := res.Val.([]byte); data != nil {
+			// Fetched and verified (the same key) but not stored: store it.
+			s.publish(cl, data)
+			s.store(cl.chunk, data, finish)
+			return
+		}
+		s.opts.Logger.Info("fetch chunk: another mount's fetch failed; fetching from this mount's endpoints", "chunk", cl.chunk.Digest, "err", res.Err)
+		s.fetchAndStore(cl, finish)
 	case <-s.ctx.Done():
 		// Closed while waiting. If the fetch is this scheduler's own, it
 		// stops too (its context is canceled) and whoever waits for it
 		// fetches for themselves.
-		return nil, ErrClosed
+		finish(nil, ErrClosed)
 	}
 }
 
-// fetchAndStore fetches a chunk and stores it in the cache, unless the
-// cache has it already (then it returns no bytes). verified gets the
-// chunk's bytes once they are verified, before the cache write (which
-// fsyncs).
-func (s *Scheduler) fetchAndStore(c format.Chunk, buf []byte, verified func([]byte)) ([]byte, error) {
+// outcome is the result of fetching and storing a chunk.
+type outcome struct {
+	data []byte
+	err  error
+}
+
+// fetchAndStore fetches cl's chunk, unless the node cache has it, hands its
+// verified bytes to cl's readers and queues its write into the cache. done
+// gets the outcome: from the writer once the write is over, or from this
+// goroutine if nothing was queued. It returns once the write is queued or
+// done was called.
+func (s *Scheduler) fetchAndStore(cl *call, done func(data []byte, err error)) {
+	c := cl.chunk
 	if s.cache.Has(c.Digest) {
-		return nil, nil
+		done(nil, nil)
+		return
 	}
-	data, err := s.fetch(c, buf)
-	if err == nil {
-		verified(data)
-		err = s.cache.PutVerified(c.Digest, data)
+	data, err := s.fetch(c)
+	if err != nil {
+		done(nil, err)
+		return
 	}
-	return data, err
+	s.publish(cl, data)
+	s.store(c, data, done)
+}
+
+// store queues verified chunk c's write into the node cache, waiting for
+// room; done gets data and the outcome. A write that fails is logged and
+// counted: the chunk is fetched again when next needed.
+func (s *Scheduler) store(c format.Chunk, data []byte, done func(data []byte, err error)) {
+	err := s.w.submit(c.Digest, data, func(err error) {
+		if err != nil {
+			s.opts.Metrics.writeFailed()
+			s.opts.Logger.Warn("store chunk in the node cache", "chunk", c.Digest, "err", err)
+		}
+		done(data, err)
+	})
+	if err != nil {
+		done(data, fmt.Errorf("chunk %s: %w", c.Digest, err))
+	}
+}
+
+// publish lets cl's readers go on with its verified bytes, before they are
+// written into the node cache. The bytes are shared, never modified.
+func (s *Scheduler) publish(cl *call, data []byte) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !cl.finished && cl.data == nil {
+		cl.data = data
+		cl.markReady()
+	}
+}
+
+// finish ends cl, once: the chunk is in the node cache (err nil), or err
+// says why not. Its bytes are dropped unless a read waits and the write
+// failed: the read is served from memory.
+func (s *Scheduler) finish(cl *call, data []byte, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cl.finished {
+		return
+	}
+	cl.finished = true
+	cl.err = err
+	switch {
+	case err == nil || !cl.demand:
+		cl.data = nil
+	case cl.data == nil:
+		cl.data = data
+	}
+	if k := keyOf(cl.chunk); s.calls[k] == cl {
+		delete(s.calls, k)
+	}
+	close(cl.done)
+	cl.markReady()
 }
 
 // fetch gets and verifies one chunk, trying every endpoint in order
 // (FirstOf), again and again with backoff, until the deadline. If every
 // endpoint served bad data in one round, it gives up at once: that will
 // not get better.
-func (s *Scheduler) fetch(c format.Chunk, buf []byte) ([]byte, error) {
+func (s *Scheduler) fetch(c format.Chunk) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(s.ctx, s.opts.Deadline)
 	defer cancel()
 	backoff := s.opts.Backoff
 	for attempt := 1; ; attempt++ {
 		corrupt := 0
 		data, errs := FirstOf(ctx, s.endpoints, func(ctx context.Context, ep Endpoint) ([]byte, error) {
-			data, err := s.fetchFrom(ctx, ep, c, buf)
+			data, err := s.fetchFrom(ctx, ep, c)
 			if err == nil {
 				s.fetched(c, ep)
 				return data, nil
@@ -546,27 +654,11 @@ func (s *Scheduler) fetched(c format.Chunk, ep Endpoint) {
 	}
 }
 
-// fetchFrom fetches chunk c's blob from ep and decodes and verifies it. The
-// blob's size is checked against the largest chunk before anything is
-// allocated: a table's sizes are the word of whoever pushed it.
-func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, c format.Chunk, buf []byte) ([]byte, error) {
-	if c.Size <= 0 || c.BlobSize <= 0 {
-		return nil, fmt.Errorf("chunk %s: size %d, blob %s of %d bytes: %w", c.Digest, c.Size, c.Blob, c.BlobSize, format.ErrInvalid)
-	}
-	if c.Size > format.MaxChunkSize || c.BlobSize > format.MaxChunkSize {
-		return nil, fmt.Errorf("chunk %s: size %d, blob %s of %d bytes: %w (limit %d)", c.Digest, c.Size, c.Blob, c.BlobSize, format.ErrTooLarge, format.MaxChunkSize)
-	}
+// fetchFrom fetches chunk c from ep, decoded and verified
+// (format.FetchChunk), into a new buffer: the bytes go to readers and the
+// cache writer.
+func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, c format.Chunk) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	desc := c.BlobDescriptor()
-	rc, err := ep.Store.Fetch(ctx, desc)
-	if err != nil {
-		return nil, err
-	}
-	defer rc.Close()
-	blob := make([]byte, c.BlobSize)
-	if _, err := io.ReadFull(rc, blob); err != nil {
-		return nil, fmt.Errorf("read blob %s: %w", c.Blob, err)
-	}
-	return s.codec.Decode(c, blob, buf)
+	return format.FetchChunk(ctx, ep.Store, s.codec, c, nil, nil)
 }

@@ -13,6 +13,8 @@ type Metrics struct {
 	cache       *prometheus.CounterVec
 	demand      prometheus.Histogram
 	verifyFails *prometheus.CounterVec
+	writeQueue  prometheus.Gauge
+	writeFails  prometheus.Counter
 }
 
 // NewMetrics creates the metrics and registers them with reg.
@@ -31,8 +33,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		verifyFails: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cryo_puller_verification_failures_total", Help: "Chunks whose content did not match their digest, by endpoint.",
 		}, []string{"endpoint"}),
+		writeQueue: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "cryo_puller_cache_write_queue_bytes", Help: "Verified chunk bytes waiting to be written (and fsynced) into the node cache.",
+		}),
+		writeFails: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cryo_puller_cache_write_failures_total", Help: "Verified chunks that could not be written into the node cache (served from memory, fetched again when next needed).",
+		}),
 	}
-	reg.MustRegister(m.bytes, m.cache, m.demand, m.verifyFails)
+	reg.MustRegister(m.bytes, m.cache, m.demand, m.verifyFails, m.writeQueue, m.writeFails)
 	return m
 }
 
@@ -63,5 +71,17 @@ func (m *Metrics) demandLatency(d time.Duration) {
 func (m *Metrics) verifyFailed(endpoint string) {
 	if m != nil {
 		m.verifyFails.WithLabelValues(endpoint).Inc()
+	}
+}
+
+func (m *Metrics) queued(n int64) {
+	if m != nil {
+		m.writeQueue.Add(float64(n))
+	}
+}
+
+func (m *Metrics) writeFailed() {
+	if m != nil {
+		m.writeFails.Inc()
 	}
 }
