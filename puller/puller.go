@@ -3,9 +3,11 @@
 // downloaded: a FUSE mount (imagefs) whose large files are fetched lazily,
 // demand reads first (fetch), into a node cache shared by every mount
 // (cache). Once every chunk of a snapshot is local, the puller writes it
-// out once as a plain image dir ("materialized"), and later mounts of the
-// same snapshot use that dir with no FUSE in the path. Without FUSE it falls
-// back to an eager, verified pull into such a dir.
+// out once as a plain image dir ("materialized", with format.UnpackFrom),
+// and later mounts of the same snapshot use that dir with no FUSE in the
+// path. Without FUSE it falls back to an eager, verified pull into such a
+// dir. Load does what a mount does in the background (pin, fetch every
+// chunk, materialize) without presenting anything; Mount presents a load.
 //
 // Snapshot memory is the node's secret: the FUSE mount serves only the
 // puller's uid (default_permissions, files 0400, dirs 0500), and the mount
@@ -15,13 +17,11 @@ package puller
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,9 +34,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/singleflight"
-	"golang.org/x/sys/unix"
 )
 
 // Options configure a Puller.
@@ -168,31 +166,246 @@ type Progress struct {
 	FetchedChunks int     `json:"fetchedChunks"`
 }
 
-// Mount is a snapshot made available as an image dir.
+// LoadOptions tune Load.
+type LoadOptions struct {
+	// Materialize also writes the snapshot's materialized image dir once
+	// every chunk is local, as a mount does, so that a later Mount of it
+	// bind-mounts that dir and needs no FUSE.
+	Materialize bool
+}
+
+// Load makes the snapshot local on this node without presenting it (no
+// mount, no FUSE): it pins the snapshot's chunks in the node cache, fetches
+// every chunk the cache lacks (verified, in the order of src.Prefetch, then
+// by offset), with opts.Materialize writes its materialized image dir, and
+// releases the pins, leaving the chunks in the cache for later mounts until
+// they are evicted. A snapshot whose materialized dir the cache holds is
+// local already: Load fetches nothing. Load is what a mount does in the
+// background; a node agent calls it to preload a snapshot before any
+// sandbox needs it. It returns the snapshot.
+func (p *Puller) Load(ctx context.Context, src Source, opts LoadOptions) (*format.Snapshot, error) {
+	l, err := p.newLoad(ctx, src, time.Now())
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		l.stop()
+		l.release()
+	}()
+	if _, ok := p.Materialized(src.Index.Digest); ok {
+		return l.snap, nil
+	}
+	if err := l.prepare(ctx); err != nil {
+		return nil, err
+	}
+	all := make([]int, len(l.snap.Files))
+	for i := range all {
+		all[i] = i
+	}
+	if err := l.run(ctx, all, opts.Materialize); err != nil {
+		return nil, err
+	}
+	return l.snap, nil
+}
+
+// load is a snapshot being made local on the node: its chunk tables, its
+// pins in the node cache, the fetch scheduler that fills the cache, and how
+// far it got. Load runs one to its end; a Mount presents one while it runs.
+type load struct {
+	p     *Puller
+	src   Source
+	snap  *format.Snapshot
+	start time.Time
+	total int64
+	// local counts the bytes of the snapshot known to be local.
+	local atomic.Int64
+	// chunks are each file's chunks, sched the scheduler and pinned the
+	// chunks pinned in the node cache, once prepared. The load pins its
+	// snapshot's materialized dir from the start.
+	chunks [][]format.Chunk
+	sched  *fetch.Scheduler
+	pinned []digest.Digest
+
+	mu      sync.Mutex
+	localAt time.Duration
+}
+
+// newLoad loads the snapshot index of src and pins the snapshot's
+// materialized dir: pin first, then look (Materialized), so that a dir
+// found is not evicted while in use, and one written by this load is not
+// evicted before the chunks it was written from.
+func (p *Puller) newLoad(ctx context.Context, src Source, start time.Time) (*load, error) {
+	snap, err := format.LoadSnapshot(ctx, Failover(src.Endpoints), src.Index)
+	if err != nil {
+		return nil, err
+	}
+	p.cache.PinImage(src.Index.Digest)
+	return &load{p: p, src: src, snap: snap, start: start, total: snap.LogicalSize()}, nil
+}
+
+// prepare loads every chunk table, pins every stored chunk in the node
+// cache and starts the fetch scheduler.
+func (l *load) prepare(ctx context.Context) error {
+	chunks, err := format.LoadChunks(ctx, Failover(l.src.Endpoints), l.snap)
+	if err != nil {
+		return err
+	}
+	l.chunks = chunks
+	for _, fc := range chunks {
+		for _, c := range fc {
+			if c.Encoding != format.EncodingZero {
+				l.pinned = append(l.pinned, c.Digest)
+			}
+		}
+	}
+	l.p.cache.Pin(l.pinned)
+	o := l.p.opts
+	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})
+	return nil
+}
+
+// run fetches every chunk of the given files (indexes into the snapshot's
+// files) into the node cache and, if materialize, then writes the
+// materialized image dir.
+func (l *load) run(ctx context.Context, files []int, materialize bool) error {
+	if err := l.fetchAll(ctx, files); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	l.localAt = time.Since(l.start)
+	l.mu.Unlock()
+	if !materialize {
+		return nil
+	}
+	return l.materialize(ctx)
+}
+
+// fetchAll prefetches every chunk of the given files, the prefetch list's
+// first, the rest in file and offset order, and waits for them.
+func (l *load) fetchAll(ctx context.Context, files []int) error {
+	var pending []*fetch.Pending
+	for _, c := range prefetchOrder(l.snap, l.chunks, files, l.src.Prefetch) {
+		if c.Encoding != format.EncodingZero && !l.p.cache.Has(c.Digest) {
+			if ps := l.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
+				pending = append(pending, ps[0])
+				continue
+			}
+		}
+		l.local.Add(c.Size)
+	}
+	for _, pd := range pending {
+		if err := pd.Wait(ctx); err != nil {
+			return err
+		}
+		l.local.Add(pd.Chunk().Size)
+	}
+	return nil
+}
+
+// prefetchOrder lists every chunk of the given files of snap once: first
+// those covering the ranges of the prefetch list, in its order, then the
+// rest in file and offset order.
+func prefetchOrder(snap *format.Snapshot, chunks [][]format.Chunk, files []int, list []Range) []format.Chunk {
+	type key struct{ file, chunk int }
+	seen := map[key]bool{}
+	var out []format.Chunk
+	add := func(fi, ci int) {
+		if k := (key{fi, ci}); !seen[k] {
+			seen[k] = true
+			out = append(out, chunks[fi][ci])
+		}
+	}
+	for _, r := range list {
+		for _, fi := range files {
+			if snap.Files[fi].Path != r.Path {
+				continue
+			}
+			t := format.Table{Chunks: chunks[fi]}
+			first, last := t.Locate(r.Offset, r.Length)
+			for ci := first; ci < last; ci++ {
+				add(fi, ci)
+			}
+		}
+	}
+	for _, fi := range files {
+		for ci := range chunks[fi] {
+			add(fi, ci)
+		}
+	}
+	return out
+}
+
+// materialize writes the snapshot as a plain image dir from the node
+// cache (cache.WriteImage: verified, flushed, committed with its
+// completion marker); once however many loads of the snapshot finish at
+// the same time.
+func (l *load) materialize(ctx context.Context) error {
+	// A chunk the cache lost or dropped as damaged is fetched again.
+	src := cached{cache: l.p.cache, next: scheduled{s: l.sched, prio: fetch.Read}}
+	for {
+		ch := l.p.materializing.DoChan(l.src.Index.Digest.String(), func() (any, error) {
+			return nil, l.p.cache.WriteImage(ctx, l.snap, l.chunks, src)
+		})
+		var err error
+		select {
+		case res := <-ch:
+			err = res.Err
+		case <-ctx.Done():
+			// Stopped while another load writes the dir: that load's
+			// write goes on without this one.
+			return ctx.Err()
+		}
+		// The write joined was another load's, which was stopped: write
+		// it again, for this one.
+		if err != nil && ctx.Err() == nil && (errors.Is(err, context.Canceled) || errors.Is(err, fetch.ErrClosed)) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("materialize: %w", err)
+		}
+		return nil
+	}
+}
+
+// localSeconds is when every chunk was local, in seconds since the load
+// started (0 until then).
+func (l *load) localSeconds() float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.localAt.Seconds()
+}
+
+// stop stops the load's fetches, retries included.
+func (l *load) stop() {
+	if l.sched != nil {
+		l.sched.Close()
+	}
+}
+
+// release releases the load's pins, once nothing of it runs any more.
+func (l *load) release() {
+	l.p.cache.Unpin(l.pinned)
+	l.p.cache.UnpinImage(l.src.Index.Digest)
+}
+
+// Mount is a snapshot made available as an image dir: a presenter (a FUSE
+// filesystem, or a bind mount of the materialized dir) over a load.
 type Mount struct {
-	p       *Puller
-	src     Source
-	snap    *format.Snapshot
+	l       *load
 	dir     string
 	mode    string
-	start   time.Time
 	ready   time.Duration
 	server  *fuse.Server
-	sched   *fetch.Scheduler
 	fsStats imagefs.Stats
-	// pinned are the chunks the mount pins in the node cache; it pins its
-	// snapshot's materialized dir too.
-	pinned []digest.Digest
-	files  []imagefs.File
+	// files are what imagefs serves: every file's chunks, and the small
+	// files' bytes.
+	files []imagefs.File
 
-	total   int64
-	local   atomic.Int64
-	loaded  chan struct{}
-	mu      sync.Mutex
-	loadAt  time.Duration
-	localAt time.Duration
-	err     error
-	cancel  context.CancelFunc
+	loaded chan struct{}
+	mu     sync.Mutex
+	loadAt time.Duration
+	err    error
+	cancel context.CancelFunc
 	// background is the load running after a FUSE mount is ready.
 	background sync.WaitGroup
 
@@ -204,48 +417,50 @@ type Mount struct {
 
 // Mount makes the snapshot available at dir and returns when dir is a
 // complete image dir for runsc restore: small files fetched and verified,
-// large files served lazily. The rest loads in the background; Loaded
-// reports when it is done. An already materialized snapshot is bind-mounted
-// from the node cache instead (no FUSE); without FUSE, Mount pulls eagerly.
+// large files served lazily. The rest loads in the background, as Load
+// does; Loaded reports when it is done. An already materialized snapshot
+// is bind-mounted from the node cache instead (no FUSE); without FUSE,
+// Mount loads eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
-	m := &Mount{p: p, src: src, dir: dir, start: time.Now(), loaded: make(chan struct{})}
+	start := time.Now()
+	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
-	snap, err := format.LoadSnapshot(ctx, Failover(src.Endpoints), src.Index)
+	l, err := p.newLoad(ctx, src, start)
 	if err != nil {
 		return nil, err
 	}
-	m.snap = snap
-	m.total = snap.LogicalSize()
-	// Pin first, then look: an image dir found is not evicted under the
-	// bind mount. A mount that loads the snapshot keeps the pin for the
-	// dir it writes: evicting that before the chunks it was written from
-	// would waste the write.
-	p.cache.PinImage(src.Index.Digest)
+	m.l = l
 	if img, ok := p.Materialized(src.Index.Digest); ok {
 		if err := bindMount(img, dir); err != nil {
 			m.close()
 			return nil, err
 		}
 		m.mode = "materialized"
-		m.ready = time.Since(m.start)
-		m.local.Store(m.total)
+		m.ready = time.Since(start)
+		l.local.Store(l.total)
 		m.finish(nil)
 		return m, nil
 	}
 	bg, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
-	m.sched = fetch.New(src.Endpoints, p.cache, p.codec, fetch.Options{Workers: p.opts.Workers, Deadline: p.opts.Deadline, Logger: p.opts.Logger, Metrics: p.opts.FetchMetrics, KeepLog: p.opts.KeepFetchLog, InFlight: &p.fetching})
-	files, lazy, err := m.prepare(ctx)
-	if err != nil {
+	if err := l.prepare(ctx); err != nil {
 		m.close()
 		return nil, err
+	}
+	m.files = make([]imagefs.File, len(l.snap.Files))
+	for i, f := range l.snap.Files {
+		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Chunks: l.chunks[i]}
 	}
 	if p.opts.NoFUSE || !FUSEAvailable() {
 		p.opts.Logger.Warn("FUSE unavailable: pulling the whole snapshot before restore", "snapshot", src.Index.Digest)
 		m.mode = "eager"
-		if err := m.loadAll(bg, lazy); err != nil {
+		all := make([]int, len(m.files))
+		for i := range all {
+			all[i] = i
+		}
+		if err := m.loadAll(bg, all); err != nil {
 			m.close()
 			return nil, err
 		}
@@ -258,10 +473,18 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 			m.close()
 			return nil, err
 		}
-		m.ready = time.Since(m.start)
+		m.ready = time.Since(start)
 		return m, nil
 	}
-	root := imagefs.New(files, p.cache, m.sched, &m.fsStats, p.opts.ReadLog)
+	lazy, err := m.fetchSmallFiles(ctx)
+	if err != nil {
+		m.close()
+		return nil, err
+	}
+	root := imagefs.New(m.files, p.cache, imagefs.Sources{
+		Fault: scheduled{s: l.sched, prio: fetch.Fault},
+		Read:  scheduled{s: l.sched, prio: fetch.Read},
+	}, &m.fsStats, p.opts.ReadLog)
 	server, err := fs.Mount(dir, root, imagefs.MountOptions("cryo:"+src.Index.Digest.Encoded()[:12]))
 	if err != nil {
 		m.close()
@@ -269,7 +492,7 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	}
 	m.server = server
 	m.mode = "fuse"
-	m.ready = time.Since(m.start)
+	m.ready = time.Since(start)
 	m.background.Add(1)
 	go func() {
 		defer m.background.Done()
@@ -280,56 +503,18 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	return m, nil
 }
 
-// prepare loads every chunk table, pins the chunks, and fetches the small
-// files. It returns the files for imagefs and the lazy ones.
-func (m *Mount) prepare(ctx context.Context) ([]imagefs.File, []*imagefs.File, error) {
-	src := Failover(m.src.Endpoints)
-	files := make([]imagefs.File, len(m.snap.Files))
-	tables := make([][]*format.PartTable, len(m.snap.Files))
-	g, gctx := errgroup.WithContext(ctx)
-	g.SetLimit(8)
-	for i := range m.snap.Files {
-		f := &m.snap.Files[i]
-		files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode)}
-		tables[i] = make([]*format.PartTable, len(f.Parts))
-		for part := range f.Parts {
-			g.Go(func() error {
-				pt, err := format.LoadPart(gctx, src, f, part)
-				tables[i][part] = pt
-				return err
-			})
-		}
-	}
-	if err := g.Wait(); err != nil {
-		return nil, nil, err
-	}
-	for i := range files {
-		for _, pt := range tables[i] {
-			files[i].Chunks = append(files[i].Chunks, pt.Table.Chunks...)
-		}
-	}
-	m.files = files
-	return m.prepareFiles(ctx, files)
-}
-
-func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]imagefs.File, []*imagefs.File, error) {
-	var lazy []*imagefs.File
-	for i := range files {
-		for _, c := range files[i].Chunks {
-			if c.Encoding != format.EncodingZero {
-				m.pinned = append(m.pinned, c.Digest)
-			}
-		}
-	}
-	m.p.cache.Pin(m.pinned)
+// fetchSmallFiles fetches and verifies the small files into memory, for
+// imagefs to serve, and returns the other files (indexes), served lazily.
+func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
+	var lazy []int
 	// budget bounds what the mount holds in memory: small files past it
 	// are served lazily, so a snapshot of many large "small" files (or of
 	// gigabytes of zeros) cannot exhaust the puller's memory.
-	budget := m.p.opts.SmallFilesCap
-	for i := range files {
-		f := &files[i]
-		if f.Path == format.PagesFile || f.Size > m.p.opts.SmallFileLimit || f.Size > budget {
-			lazy = append(lazy, f)
+	budget := m.l.p.opts.SmallFilesCap
+	for i := range m.files {
+		f := &m.files[i]
+		if f.Path == format.PagesFile || f.Size > m.l.p.opts.SmallFileLimit || f.Size > budget {
+			lazy = append(lazy, i)
 			continue
 		}
 		budget -= f.Size
@@ -337,188 +522,27 @@ func (m *Mount) prepareFiles(ctx context.Context, files []imagefs.File) ([]image
 		// The mount is not ready until these are here: fetch them as
 		// faults are, ahead of everything.
 		for _, c := range f.Chunks {
-			b, err := m.sched.Get(ctx, c, nil, fetch.Fault)
+			b, err := m.l.sched.Get(ctx, c, nil, fetch.Fault)
 			if err != nil {
-				return nil, nil, fmt.Errorf("fetch %s: %w", f.Path, err)
+				return nil, fmt.Errorf("fetch %s: %w", f.Path, err)
 			}
 			data = append(data, b...)
 		}
-		if got := digest.FromBytes(data); got != m.snap.Files[i].Digest {
-			return nil, nil, fmt.Errorf("%s hashes to %s, snapshot says %s: %w", f.Path, got, m.snap.Files[i].Digest, format.ErrDigestMismatch)
+		if got := digest.FromBytes(data); got != m.l.snap.Files[i].Digest {
+			return nil, fmt.Errorf("%s hashes to %s, snapshot says %s: %w", f.Path, got, m.l.snap.Files[i].Digest, format.ErrDigestMismatch)
 		}
 		f.Data = data
-		m.local.Add(f.Size)
+		m.l.local.Add(f.Size)
 	}
-	return files, lazy, nil
+	return lazy, nil
 }
 
-// loadAll prefetches every chunk of the lazy files in offset order, then
-// materializes the snapshot.
-func (m *Mount) loadAll(ctx context.Context, lazy []*imagefs.File) error {
-	var pending []*fetch.Pending
-	for _, c := range prefetchOrder(lazy, m.src.Prefetch) {
-		if c.Encoding != format.EncodingZero && !m.p.cache.Has(c.Digest) {
-			if ps := m.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
-				pending = append(pending, ps[0])
-				continue
-			}
-		}
-		m.local.Add(c.Size)
-	}
-	for _, pd := range pending {
-		if err := pd.Wait(ctx); err != nil {
-			m.finish(err)
-			return err
-		}
-		m.local.Add(pd.Chunk().Size)
-	}
-	m.mu.Lock()
-	m.localAt = time.Since(m.start)
-	m.mu.Unlock()
-	err := m.materialize(ctx)
+// loadAll runs the load over the given files and materializes the
+// snapshot, then reports the mount loaded.
+func (m *Mount) loadAll(ctx context.Context, files []int) error {
+	err := m.l.run(ctx, files, true)
 	m.finish(err)
 	return err
-}
-
-// prefetchOrder lists every chunk of the lazy files once: first those
-// covering the ranges of the prefetch list, in its order, then the rest in
-// file and offset order.
-func prefetchOrder(lazy []*imagefs.File, list []Range) []format.Chunk {
-	type key struct{ file, chunk int }
-	seen := map[key]bool{}
-	var out []format.Chunk
-	add := func(fi, ci int) {
-		if k := (key{fi, ci}); !seen[k] {
-			seen[k] = true
-			out = append(out, lazy[fi].Chunks[ci])
-		}
-	}
-	for _, r := range list {
-		for fi, f := range lazy {
-			if f.Path != r.Path {
-				continue
-			}
-			t := format.Table{Chunks: f.Chunks}
-			first, last := t.Locate(r.Offset, r.Length)
-			for ci := first; ci < last; ci++ {
-				add(fi, ci)
-			}
-		}
-	}
-	for fi, f := range lazy {
-		for ci := range f.Chunks {
-			add(fi, ci)
-		}
-	}
-	return out
-}
-
-// materialize writes the snapshot as a plain image dir from the node cache,
-// verifying every file's sha256, into a temporary dir committed into place
-// with its completion marker; once however many mounts of the snapshot
-// finish loading at the same time.
-func (m *Mount) materialize(ctx context.Context) error {
-	for {
-		ch := m.p.materializing.DoChan(m.src.Index.Digest.String(), func() (any, error) { return nil, m.writeMaterialized(ctx) })
-		var err error
-		select {
-		case res := <-ch:
-			err = res.Err
-		case <-ctx.Done():
-			// Unmounted while another mount writes the dir: that
-			// mount's write goes on without this one.
-			return ctx.Err()
-		}
-		// The write joined was another mount's, which was unmounted: write
-		// it again, for this one.
-		if err != nil && ctx.Err() == nil && (errors.Is(err, context.Canceled) || errors.Is(err, fetch.ErrClosed)) {
-			continue
-		}
-		return err
-	}
-}
-
-// writeMaterialized writes the image dir: every file flushed (fdatasync)
-// before the cache flushes the dirs, writes the marker and renames it into
-// place. Files are 0600 and dirs 0700 whatever modes the snapshot records:
-// the image is the puller's alone.
-func (m *Mount) writeMaterialized(ctx context.Context) error {
-	d := m.src.Index.Digest
-	if _, ok := m.p.Materialized(d); ok {
-		return nil
-	}
-	// Unique per writer: a dir named after the process would be shared by
-	// two mounts of the snapshot in one daemon.
-	tmp, err := m.p.cache.NewImageDir(d)
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(tmp)
-	var buf []byte
-	for i := range m.snap.Files {
-		if buf, err = m.writeFile(ctx, tmp, i, buf); err != nil {
-			return fmt.Errorf("materialize %s: %w", m.snap.Files[i].Path, err)
-		}
-	}
-	return m.p.cache.CommitImage(d, tmp)
-}
-
-// writeFile writes file i of the snapshot under dir, verified and flushed.
-// A chunk the cache dropped as damaged is fetched again.
-func (m *Mount) writeFile(ctx context.Context, dir string, i int, buf []byte) ([]byte, error) {
-	f := &m.snap.Files[i]
-	name := filepath.Join(dir, filepath.FromSlash(f.Path))
-	if err := os.MkdirAll(filepath.Dir(name), 0o700); err != nil {
-		return buf, err
-	}
-	out, err := os.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return buf, err
-	}
-	defer out.Close()
-	h := sha256.New()
-	for _, c := range m.files[i].Chunks {
-		if err := ctx.Err(); err != nil {
-			return buf, err
-		}
-		if buf, err = m.chunk(ctx, c, buf); err != nil {
-			return buf, err
-		}
-		h.Write(buf)
-		if c.Encoding != format.EncodingZero {
-			if _, err := out.WriteAt(buf, c.Offset); err != nil {
-				return buf, err
-			}
-		}
-	}
-	if got := digest.NewDigestFromBytes(digest.SHA256, h.Sum(nil)); got != f.Digest {
-		return buf, fmt.Errorf("hashes to %s, snapshot says %s: %w", got, f.Digest, format.ErrDigestMismatch)
-	}
-	if err := out.Truncate(f.Size); err != nil {
-		return buf, err
-	}
-	if err := unix.Fdatasync(int(out.Fd())); err != nil {
-		return buf, fmt.Errorf("sync: %w", err)
-	}
-	return buf, out.Close()
-}
-
-// chunk returns chunk c's verified bytes in buf: from the node cache, or
-// fetched again if the cache held it damaged.
-func (m *Mount) chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
-	if c.Encoding == format.EncodingZero {
-		return m.p.codec.Decode(c, nil, buf)
-	}
-	data, err := m.p.cache.Get(c.Digest, buf, false)
-	if err == nil || !errors.Is(err, cache.ErrNotFound) {
-		return data, err
-	}
-	data, err = m.sched.Get(ctx, c, nil, fetch.Read)
-	if err != nil {
-		return buf, err
-	}
-	// Fetched bytes may be shared with other readers: copy them out.
-	return append(buf[:0], data...), nil
 }
 
 func (m *Mount) finish(err error) {
@@ -530,7 +554,7 @@ func (m *Mount) finish(err error) {
 	default:
 	}
 	m.err = err
-	m.loadAt = time.Since(m.start)
+	m.loadAt = time.Since(m.l.start)
 	close(m.loaded)
 }
 
@@ -549,34 +573,34 @@ func (m *Mount) Err() error {
 func (m *Mount) Dir() string { return m.dir }
 
 // Snapshot is the mounted snapshot.
-func (m *Mount) Snapshot() *format.Snapshot { return m.snap }
+func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 
 // FetchLog returns the fetches made so far (with Options.KeepFetchLog).
 func (m *Mount) FetchLog() []fetch.LogEntry {
-	if m.sched == nil {
+	if m.l.sched == nil {
 		return nil
 	}
-	return m.sched.Log()
+	return m.l.sched.Log()
 }
 
 // Progress reports the mount's state.
 func (m *Mount) Progress() Progress {
-	pr := Progress{Digest: m.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.total, LocalBytes: m.local.Load(),
+	pr := Progress{Digest: m.l.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.l.total, LocalBytes: m.l.local.Load(),
 		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds()}
 	select {
 	case <-m.loaded:
 		pr.Loaded = true
+		pr.LocalSeconds = m.l.localSeconds()
 		m.mu.Lock()
 		pr.LoadedSeconds = m.loadAt.Seconds()
-		pr.LocalSeconds = m.localAt.Seconds()
 		if m.err != nil {
 			pr.Err = m.err.Error()
 		}
 		m.mu.Unlock()
 	default:
 	}
-	if m.sched != nil {
-		pr.FetchedChunks = len(m.sched.Log())
+	if m.l.sched != nil {
+		pr.FetchedChunks = len(m.l.sched.Log())
 	}
 	return pr
 }
@@ -602,17 +626,12 @@ func (m *Mount) Unmount() error {
 // close stops loading and releases the mount's pins, once.
 func (m *Mount) close() {
 	m.closeOnce.Do(func() {
-		if m.cancel != nil {
-			m.cancel()
-		}
-		if m.sched != nil {
-			m.sched.Close()
-		}
+		m.cancel()
+		m.l.stop()
 		// The background load stops at its next step; nothing of this
 		// mount writes to the node cache once close returns.
 		m.background.Wait()
-		m.p.cache.Unpin(m.pinned)
-		m.p.cache.UnpinImage(m.src.Index.Digest)
+		m.l.release()
 		m.finish(errors.New("unmounted"))
 	})
 }

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
+	"io/fs"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
@@ -18,11 +20,14 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/sirupsen/logrus"
+	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/registry/remote"
 )
 
@@ -622,4 +627,128 @@ func TestRegistryKilledMidLoad(t *testing.T) {
 		t.Fatal("read did not complete after the registry restarted")
 	}
 	waitLoaded(t, m)
+}
+
+// TestLoadWithoutMount loads a snapshot with Load, which presents nothing:
+// every chunk ends in the node cache and the pins are released; loading
+// it again with Materialize fetches nothing and writes the materialized
+// dir, private (files 0600, dirs 0700) and complete; a third load finds
+// it local; and a mount of it (with root) bind-mounts that dir, no FUSE.
+func TestLoadWithoutMount(t *testing.T) {
+	r := startReg(t)
+	src, s := push(t, r, "app", synth.HalfZero, 8<<20, 12)
+	p := newPuller(t, Options{})
+	ctx := context.Background()
+	snap, err := p.Load(ctx, s, LoadOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if snap.Descriptor.Digest != s.Index.Digest {
+		t.Fatalf("loaded %s, want %s", snap.Descriptor.Digest, s.Index.Digest)
+	}
+	for _, c := range snapshotChunks(t, s) {
+		if !p.Cache().Has(c.Digest) {
+			t.Fatalf("after Load, chunk %s at %d is not in the node cache", c.Digest, c.Offset)
+		}
+	}
+	if st := p.Cache().Stats(); st.Pinned != 0 || st.Images != 0 {
+		t.Fatalf("after Load: %+v, want no pin left and nothing materialized", st)
+	}
+	gets := r.blobGets.Load()
+	if _, err := p.Load(ctx, s, LoadOptions{Materialize: true}); err != nil {
+		t.Fatal(err)
+	}
+	img, ok := p.Materialized(s.Index.Digest)
+	if !ok {
+		t.Fatal("Load with Materialize wrote no materialized dir")
+	}
+	// Only the index and chunk tables are read again.
+	if n := r.blobGets.Load() - gets; n > int64(len(snap.Files)) {
+		t.Errorf("the second load fetched %d blobs, every chunk was cached", n)
+	}
+	if _, err := os.Stat(filepath.Join(img, cache.ImageMarker)); err != nil {
+		t.Errorf("no completion marker: %v", err)
+	}
+	filepath.WalkDir(img, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, _ := d.Info()
+		switch rel, _ := filepath.Rel(img, p); {
+		case d.IsDir() && info.Mode().Perm() != 0o700:
+			t.Errorf("materialized dir %s has mode %v, want 0700", rel, info.Mode().Perm())
+		case !d.IsDir() && rel != cache.ImageMarker && info.Mode().Perm() != 0o600:
+			t.Errorf("materialized file %s has mode %v, want 0600", rel, info.Mode().Perm())
+		case !d.IsDir() && rel != cache.ImageMarker:
+			sameFile(t, p, filepath.Join(src, rel))
+		}
+		return nil
+	})
+	if st := p.Cache().Stats(); st.Pinned != 0 {
+		t.Fatalf("after Load: %d pins left", st.Pinned)
+	}
+	gets = r.blobGets.Load()
+	if _, err := p.Load(ctx, s, LoadOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if n := r.blobGets.Load() - gets; n != 0 {
+		t.Errorf("a load of a materialized snapshot fetched %d blobs", n)
+	}
+	if os.Geteuid() != 0 {
+		testenv.SkipOrFatal(t, "mounting the materialized dir bind-mounts, which needs root")
+	}
+	m := mount(t, p, s)
+	if mode := m.Progress().Mode; mode != "materialized" {
+		t.Errorf("a mount after Load is %q, want materialized", mode)
+	}
+	sameFile(t, filepath.Join(m.Dir(), format.PagesFile), filepath.Join(src, format.PagesFile))
+}
+
+// stallChunks serves everything but chunk blobs, whose fetches wait until
+// they are canceled; started is closed at the first.
+type stallChunks struct {
+	content.Fetcher
+	once    sync.Once
+	started chan struct{}
+}
+
+func (s *stallChunks) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
+	if desc.MediaType != format.MediaTypeChunkRaw && desc.MediaType != format.MediaTypeChunkZstd {
+		return s.Fetcher.Fetch(ctx, desc)
+	}
+	s.once.Do(func() { close(s.started) })
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+// TestLoadCanceled cancels a load whose chunks cannot be fetched: Load
+// returns the cancellation, and its pins are released (a canceled
+// preload must not hold cache space forever).
+func TestLoadCanceled(t *testing.T) {
+	r := startReg(t)
+	_, s := push(t, r, "app", synth.Random, 4<<20, 13)
+	stall := &stallChunks{Fetcher: s.Endpoints[0].Store, started: make(chan struct{})}
+	s.Endpoints = []fetch.Endpoint{{Name: "stalled", Store: stall}}
+	p := newPuller(t, Options{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := p.Load(ctx, s, LoadOptions{Materialize: true})
+		done <- err
+	}()
+	select {
+	case <-stall.started:
+	case err := <-done:
+		t.Fatalf("Load returned %v before fetching a chunk", err)
+	}
+	if st := p.Cache().Stats(); st.Pinned == 0 {
+		t.Fatal("a load fetching chunks pins nothing")
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled Load returned %v, want context.Canceled", err)
+	}
+	if st := p.Cache().Stats(); st.Pinned != 0 {
+		t.Fatalf("a canceled load left %d pins", st.Pinned)
+	}
 }

@@ -10,9 +10,11 @@
 // pullers on each), every registry a real `cryo registry serve` process
 // started fresh for the run.
 //
-// A cryo puller is the node puller's fetch scheduler (12 workers, digest
-// verification, zstd decoding) writing into its own node cache, capped at
-// -cache-cap bytes (LRU eviction keeps the disk use of 32 caches bounded).
+// A cryo puller is puller.Load: the node puller's fetch scheduler (12
+// workers, digest verification, zstd decoding) writing into its own node
+// cache, capped at -cache-cap bytes. Like a mount, a load pins its
+// snapshot's chunks while it runs: each cache holds its whole snapshot
+// until its load ends, then LRU eviction brings it under the cap.
 // A naive puller does what `oras pull` does: fetches its artifact's blobs
 // with oras-go into files in its own dir, verifying their digests.
 //
@@ -27,7 +29,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -49,7 +50,7 @@ import (
 	"github.com/cryo-oci/cryo/internal/barchart"
 	"github.com/cryo-oci/cryo/internal/benchutil"
 	"github.com/cryo-oci/cryo/internal/synth"
-	"github.com/cryo-oci/cryo/puller/cache"
+	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/transfer"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -323,13 +324,18 @@ func (s *stats) latency(d time.Duration) {
 }
 
 // timedFetcher records how long each blob takes, from request to the last
-// byte, and counts failed fetches.
+// byte, and counts failed fetches. Manifests, indexes and chunk tables pass
+// untimed: the figures are those of the blobs that carry the snapshot.
 type timedFetcher struct {
 	content.Fetcher
 	st *stats
 }
 
 func (f timedFetcher) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
+	switch desc.MediaType {
+	case ocispec.MediaTypeImageIndex, ocispec.MediaTypeImageManifest, format.MediaTypeChunkTable:
+		return f.Fetcher.Fetch(ctx, desc)
+	}
 	start := time.Now()
 	rc, err := f.Fetcher.Fetch(ctx, desc)
 	if err != nil {
@@ -415,9 +421,9 @@ func runOne(ctx context.Context, cfg config, scenario string, replicas int, path
 	return res, nil
 }
 
-// cryoPuller fetches every chunk of a snapshot into its own node cache,
-// as the node puller's background load does, and returns the snapshot's
-// logical bytes.
+// cryoPuller loads a snapshot into its own node cache with puller.Load, as
+// the node puller's background load does (without materializing it), and
+// returns the snapshot's logical bytes.
 func cryoPuller(ctx context.Context, ref, cacheDir string, capBytes int64, st *stats) (int64, error) {
 	repo, tag, err := transfer.Repository(ref, transfer.ClientOptions{})
 	if err != nil {
@@ -427,40 +433,16 @@ func cryoPuller(ctx context.Context, ref, cacheDir string, capBytes int64, st *s
 	if err != nil {
 		return 0, fmt.Errorf("resolve: %w", err)
 	}
-	snap, err := format.LoadSnapshot(ctx, repo, desc)
+	p, err := puller.New(puller.Options{CacheDir: cacheDir, CacheCap: capBytes, Deadline: time.Minute})
 	if err != nil {
 		return 0, err
 	}
-	var chunks []format.Chunk
-	var logical int64
-	for fi := range snap.Files {
-		f := &snap.Files[fi]
-		logical += f.Size
-		for p := range f.Parts {
-			pt, err := format.LoadPart(ctx, repo, f, p)
-			if err != nil {
-				return 0, err
-			}
-			chunks = append(chunks, pt.Table.Chunks...)
-		}
-	}
-	c, err := cache.Open(cacheDir, capBytes)
+	src := puller.Source{Index: desc, Endpoints: []fetch.Endpoint{{Name: "registry", Store: timedFetcher{Fetcher: repo, st: st}}}}
+	snap, err := p.Load(ctx, src, puller.LoadOptions{})
 	if err != nil {
 		return 0, err
 	}
-	codec, err := format.NewCodec(1)
-	if err != nil {
-		return 0, err
-	}
-	sched := fetch.New([]fetch.Endpoint{{Name: "registry", Store: timedFetcher{Fetcher: repo, st: st}}}, c, codec, fetch.Options{Deadline: time.Minute})
-	defer sched.Close()
-	var errs []error
-	for _, p := range sched.Prefetch(chunks) {
-		if err := p.Wait(ctx); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return logical, errors.Join(errs...)
+	return snap.LogicalSize(), nil
 }
 
 // naivePuller fetches every layer of a plain artifact into a file in dir,

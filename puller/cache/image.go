@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"context"
 	"fmt"
 	"io/fs"
 	"os"
@@ -9,6 +10,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
 )
@@ -21,9 +23,9 @@ const ImageMarker = ".cryo-complete"
 
 // A materialized image dir is snapshot <hex>'s files as a plain image dir
 // under <root>/images/<hex> (0700, files 0600), written by a puller once
-// every chunk is local so that later restores need no FUSE. It is written
-// in a temporary <hex>.tmp-* dir (NewImageDir), then committed
-// (CommitImage). Image dirs count against the cap like chunks and are
+// every chunk is local so that later restores need no FUSE (WriteImage).
+// It is written in a temporary <hex>.tmp-* dir (NewImageDir), then
+// committed (CommitImage). Image dirs count against the cap like chunks and are
 // evicted least recently used first, never while pinned (PinImage) by a
 // mount that uses it.
 
@@ -63,6 +65,33 @@ func (s *Store) UnpinImage(d digest.Digest) {
 	s.unpinLocked(imageKey(d))
 	s.mu.Unlock()
 	s.evict()
+}
+
+// WriteImage materializes snapshot snap, whose files' chunks are chunks
+// (format.LoadChunks), as its image dir, reading every chunk from src,
+// unless the cache holds that dir complete already. It is the writer of
+// format.UnpackFrom: every chunk and every whole file verified, zero
+// chunks left as holes, every file flushed; here into a NewImageDir, files
+// 0600 and dirs 0700 whatever modes the snapshot records, committed by
+// CommitImage with its completion marker.
+func (s *Store) WriteImage(ctx context.Context, snap *format.Snapshot, chunks [][]format.Chunk, src format.ChunkSource) error {
+	d := snap.Descriptor.Digest
+	if _, ok := s.Image(d); ok {
+		return nil
+	}
+	// Unique per writer: a dir named after the process would be shared by
+	// two mounts of the snapshot in one daemon.
+	tmp, err := s.NewImageDir(d)
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp) // gone once committed
+	_, err = format.UnpackFrom(ctx, snap, chunks, src, s.ImagePath(d), format.UnpackOptions{
+		Private: true,
+		Staging: tmp,
+		Commit:  func(staging string) error { return s.CommitImage(d, staging) },
+	})
+	return err
 }
 
 // NewImageDir creates an empty temporary dir (0700) to write snapshot d's

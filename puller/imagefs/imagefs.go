@@ -30,7 +30,6 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/cache"
-	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
@@ -49,12 +48,13 @@ type File struct {
 	Chunks []format.Chunk
 }
 
-// Source supplies verified chunk bytes on demand.
-type Source interface {
-	// Get returns chunk c's bytes (fetching them now if needed, at the
-	// given priority), in buf or in a slice shared with other readers,
-	// which the caller must not modify.
-	Get(ctx context.Context, c format.Chunk, buf []byte, prio fetch.Priority) ([]byte, error)
+// Sources supply the chunks a read needs that the node cache does not
+// hold: a page fault's (a read shorter than FaultBelow) from Fault, the
+// background loader's from Read (a fetch scheduler at those priorities).
+// The bytes they return may be shared with other readers: imagefs copies
+// them out and never writes into them.
+type Sources struct {
+	Fault, Read format.ChunkSource
 }
 
 // FaultBelow: a read of a lazy file shorter than this is taken for a page
@@ -78,7 +78,7 @@ type FS struct {
 	fs.Inode
 	files []File
 	cache *cache.Store
-	src   Source
+	src   Sources
 	stats *Stats
 	// readLog, if set, gets a line per read: file, offset, length, start
 	// and duration (where a restore's milliseconds go).
@@ -127,7 +127,7 @@ func dirAttr(out *fuse.AttrOut) syscall.Errno {
 // New returns the root of a filesystem holding files, whose lazy chunks are
 // read from c or, on a miss, from src. readLog, if not nil, gets a line per
 // read.
-func New(files []File, c *cache.Store, src Source, stats *Stats, readLog io.Writer) *FS {
+func New(files []File, c *cache.Store, src Sources, stats *Stats, readLog io.Writer) *FS {
 	return &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog}
 }
 
@@ -203,14 +203,14 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 	if off >= n.file.Size {
 		return fuse.ReadResultData(nil), 0
 	}
-	prio := fetch.Read
+	src := n.fs.src.Read
 	if len(dest) < FaultBelow {
-		prio = fetch.Fault
+		src = n.fs.src.Fault
 	}
 	dest = dest[:min(int64(len(dest)), n.file.Size-off)]
 	if n.file.Data != nil {
 		copy(dest, n.file.Data[off:])
-	} else if err := n.fs.readChunks(context.WithoutCancel(ctx), n.file, dest, off, prio); err != nil {
+	} else if err := n.fs.readChunks(context.WithoutCancel(ctx), n.file, dest, off, src); err != nil {
 		// Never serve unverified or partial data: fail the read. The fetch
 		// scheduler has already retried until its deadline.
 		return nil, syscall.EIO
@@ -220,7 +220,7 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 }
 
 // readChunks fills dest with the file's bytes at off.
-func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64, prio fetch.Priority) error {
+func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64, src format.ChunkSource) error {
 	chunks := file.Chunks
 	i := sort.Search(len(chunks), func(i int) bool { return chunks[i].End() > off })
 	done := 0
@@ -231,7 +231,7 @@ func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64,
 		c := chunks[i]
 		pos := off + int64(done) - c.Offset
 		part := dest[done:min(len(dest), done+int(c.Size-pos))]
-		if err := f.readChunk(ctx, c, part, pos, prio); err != nil {
+		if err := f.readChunk(ctx, c, part, pos, src); err != nil {
 			return err
 		}
 		done += len(part)
@@ -241,7 +241,7 @@ func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64,
 }
 
 // readChunk fills p with chunk c's bytes from offset pos within it.
-func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64, prio fetch.Priority) error {
+func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64, src format.ChunkSource) error {
 	if c.Encoding == format.EncodingZero {
 		clear(p)
 		return nil
@@ -254,7 +254,7 @@ func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64,
 	f.stats.DemandChunks.Add(1)
 	// The fetched bytes are shared with other readers of the chunk: copy
 	// out, never write into them.
-	data, err := f.src.Get(ctx, c, nil, prio)
+	data, err := src.Chunk(ctx, c, nil)
 	if err != nil {
 		return err
 	}

@@ -7,14 +7,13 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/cache"
-	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/opencontainers/go-digest"
 )
 
 // fixedSource serves the same bytes for every chunk.
 type fixedSource []byte
 
-func (s fixedSource) Get(ctx context.Context, c format.Chunk, buf []byte, prio fetch.Priority) ([]byte, error) {
+func (s fixedSource) Chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
 	return s, nil
 }
 
@@ -29,11 +28,11 @@ func TestLyingSizeNeverServedOrPanics(t *testing.T) {
 	}
 	data := bytes.Repeat([]byte{9}, 4096)
 	lie := format.Chunk{Offset: 0, Size: 1 << 20, Encoding: format.EncodingRaw, Digest: digest.FromBytes(data), Blob: digest.FromBytes(data), BlobSize: 1 << 20}
-	f := New(nil, c, fixedSource(data), &Stats{}, nil)
+	f := New(nil, c, Sources{Fault: fixedSource(data), Read: fixedSource(data)}, &Stats{}, nil)
 	file := &File{Path: "pages.img", Size: lie.Size, Chunks: []format.Chunk{lie}}
 	for _, off := range []int64{0, 2048, 8192} {
 		dest := bytes.Repeat([]byte{0xee}, 4096)
-		if err := f.readChunks(context.Background(), file, dest, off, fetch.Read); err == nil {
+		if err := f.readChunks(context.Background(), file, dest, off, fixedSource(data)); err == nil {
 			t.Errorf("read at %d of a chunk %d bytes long that its table says is %d: no error", off, len(data), lie.Size)
 		}
 	}
