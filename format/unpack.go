@@ -16,7 +16,6 @@ import (
 	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-	"golang.org/x/sys/unix"
 	"oras.land/oras-go/v2/content"
 )
 
@@ -75,6 +74,10 @@ func PartialDir(dir string) string {
 // it is safe to reuse) and renamed into place: after a crash, dir is absent
 // or complete.
 func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, dir string, opts UnpackOptions) (*Snapshot, *UnpackStats, error) {
+	// Fail before any fetch on a target that cannot be used.
+	if err := checkTarget(dir); err != nil {
+		return nil, nil, err
+	}
 	snap, err := LoadSnapshot(ctx, src, desc)
 	if err != nil {
 		return nil, nil, err
@@ -380,7 +383,8 @@ func (w *writer) writeFile(ctx context.Context, f *File, chunks []Chunk) error {
 	if err := fh.Chmod(fmode); err != nil {
 		return fmt.Errorf("chmod %s: %w", f.Path, err)
 	}
-	if err := unix.Fdatasync(int(fh.Fd())); err != nil {
+	// fsync, not fdatasync: the mode is metadata a crash must not lose.
+	if err := fh.Sync(); err != nil {
 		return fmt.Errorf("sync %s: %w", f.Path, err)
 	}
 	return fh.Close()

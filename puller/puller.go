@@ -34,7 +34,6 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-	"golang.org/x/sync/singleflight"
 )
 
 // Options configure a Puller.
@@ -71,9 +70,12 @@ type Puller struct {
 	opts  Options
 	cache *cache.Store
 	codec *format.Codec
-	// materializing joins mounts of one snapshot writing its plain dir;
-	// fetching, the fetches of one chunk by several mounts.
-	materializing, fetching singleflight.Group
+	// mu guards writing: the materialized dirs being written, by
+	// snapshot, which loads of the same snapshot join.
+	mu      sync.Mutex
+	writing map[digest.Digest]*imageWrite
+	// fetching joins the fetches of one chunk by several mounts.
+	fetching fetch.Flights
 }
 
 // New opens the node cache and returns a Puller.
@@ -100,6 +102,10 @@ func New(opts Options) (*Puller, error) {
 	}
 	return &Puller{opts: opts, cache: c, codec: codec}, nil
 }
+
+// Close releases the puller's decoders. Call it once every load and mount
+// of the puller has ended; the node cache stays on disk.
+func (p *Puller) Close() { p.codec.Close() }
 
 // Cache returns the node cache.
 func (p *Puller) Cache() *cache.Store { return p.cache }
@@ -335,33 +341,58 @@ func prefetchOrder(snap *format.Snapshot, chunks [][]format.Chunk, files []int, 
 	return out
 }
 
+// imageWrite is a materialized dir being written; err is set before done
+// is closed.
+type imageWrite struct {
+	done chan struct{}
+	err  error
+}
+
 // materialize writes the snapshot as a plain image dir from the node
 // cache (cache.WriteImage: verified, flushed, committed with its
 // completion marker); once however many loads of the snapshot finish at
-// the same time.
+// the same time. The write runs in the load that started it, under its
+// context: nothing of a load writes into the node cache once it has
+// returned. A load that joined another's write writes again for itself if
+// that one was stopped (canceled, past its deadline, its scheduler
+// closed).
 func (l *load) materialize(ctx context.Context) error {
 	// A chunk the cache lost or dropped as damaged is fetched again.
 	src := cached{cache: l.p.cache, next: scheduled{s: l.sched, prio: fetch.Read}}
+	d := l.src.Index.Digest
 	for {
-		ch := l.p.materializing.DoChan(l.src.Index.Digest.String(), func() (any, error) {
-			return nil, l.p.cache.WriteImage(ctx, l.snap, l.chunks, src)
-		})
-		var err error
+		l.p.mu.Lock()
+		w, joined := l.p.writing[d]
+		if !joined {
+			w = &imageWrite{done: make(chan struct{})}
+			if l.p.writing == nil {
+				l.p.writing = map[digest.Digest]*imageWrite{}
+			}
+			l.p.writing[d] = w
+		}
+		l.p.mu.Unlock()
+		if !joined {
+			w.err = l.p.cache.WriteImage(ctx, l.snap, l.chunks, src)
+			l.p.mu.Lock()
+			delete(l.p.writing, d)
+			l.p.mu.Unlock()
+			close(w.done)
+			if w.err != nil {
+				return fmt.Errorf("materialize: %w", w.err)
+			}
+			return nil
+		}
 		select {
-		case res := <-ch:
-			err = res.Err
+		case <-w.done:
 		case <-ctx.Done():
-			// Stopped while another load writes the dir: that load's
-			// write goes on without this one.
 			return ctx.Err()
 		}
-		// The write joined was another load's, which was stopped: write
-		// it again, for this one.
-		if err != nil && ctx.Err() == nil && (errors.Is(err, context.Canceled) || errors.Is(err, fetch.ErrClosed)) {
+		stopped := errors.Is(w.err, context.Canceled) || errors.Is(w.err, context.DeadlineExceeded) || errors.Is(w.err, fetch.ErrClosed)
+		if w.err != nil && stopped && ctx.Err() == nil {
 			continue
 		}
-		if err != nil {
-			return fmt.Errorf("materialize: %w", err)
+		if w.err != nil {
+			return fmt.Errorf("materialize: %w", w.err)
 		}
 		return nil
 	}

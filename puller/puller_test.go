@@ -164,6 +164,7 @@ func newPuller(t testing.TB, opts Options) *Puller {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(p.Close)
 	return p
 }
 

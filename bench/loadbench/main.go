@@ -437,6 +437,7 @@ func cryoPuller(ctx context.Context, ref, cacheDir string, capBytes int64, st *s
 	if err != nil {
 		return 0, err
 	}
+	defer p.Close()
 	src := puller.Source{Index: desc, Endpoints: []fetch.Endpoint{{Name: "registry", Store: timedFetcher{Fetcher: repo, st: st}}}}
 	snap, err := p.Load(ctx, src, puller.LoadOptions{})
 	if err != nil {

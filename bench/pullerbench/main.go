@@ -133,6 +133,7 @@ func run(size int64, reps, reads int, bin string) error {
 		loaded = append(loaded, m.Progress().LoadedSeconds)
 		local = append(local, m.Progress().LocalSeconds)
 		m.Unmount()
+		p.Close()
 		os.RemoveAll(cacheDir)
 
 		out := filepath.Join(work, "out")

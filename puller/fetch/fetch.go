@@ -39,7 +39,6 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/opencontainers/go-digest"
-	"golang.org/x/sync/singleflight"
 	"oras.land/oras-go/v2/content"
 )
 
@@ -70,7 +69,7 @@ type Options struct {
 	// InFlight, shared by the schedulers of every mount on a node, makes a
 	// chunk that two mounts need at the same moment one fetch, if both ask
 	// for it stored the same way (see the package doc). Optional.
-	InFlight *singleflight.Group
+	InFlight *Flights
 	// Writers is how many verified chunks are written into the node cache
 	// at once, in the background (default 4).
 	Writers int
@@ -120,11 +119,6 @@ type key struct {
 
 func keyOf(c format.Chunk) key {
 	return key{digest: c.Digest, blob: c.Blob, encoding: c.Encoding, size: c.Size, blobSize: c.BlobSize}
-}
-
-// String is the key in the node-wide InFlight group.
-func (k key) String() string {
-	return fmt.Sprintf("%s %s %s %d %d", k.digest, k.blob, k.encoding, k.size, k.blobSize)
 }
 
 // chunkStore is the node cache as the scheduler uses it (a *cache.Store;
@@ -462,70 +456,102 @@ func (s *Scheduler) worker() {
 }
 
 // run fetches cl's chunk and returns once its write into the node cache is
-// queued (the writer finishes the call) or the call is finished. If another
-// mount's scheduler on the node has fetched the chunk (then it is in the
-// cache) or is fetching it stored the same way, the call waits for that
-// fetch and its write. Only another mount's success is taken, and its
-// verified bytes if its write failed: if that fetch fails (its endpoints,
-// or its mount was closed), this one fetches from its own endpoints.
+// queued (the writer finishes the call) or the call is finished or handed
+// on. If another mount's scheduler on the node is fetching the chunk
+// stored the same way (Options.InFlight), the call follows that fetch
+// instead (follow).
 func (s *Scheduler) run(cl *call) {
 	finish := func(data []byte, err error) { s.finish(cl, data, err) }
 	if s.opts.InFlight == nil {
-		s.fetchAndStore(cl, finish)
+		s.fetchAndStore(cl, nil, finish)
+		return
+	}
+	k := keyOf(cl.chunk)
+	f, lead := s.opts.InFlight.join(k)
+	if !lead {
+		s.follow(cl, f)
 		return
 	}
 	// The node-wide fetch lasts until the chunk is in the cache, so that
 	// no mount fetches it again meanwhile; this worker goes on as soon as
 	// the write is queued.
-	queued := make(chan struct{})
-	ran := false
-	ch := s.opts.InFlight.DoChan(keyOf(cl.chunk).String(), func() (any, error) {
-		ran = true
-		out := make(chan outcome, 1)
-		s.fetchAndStore(cl, func(data []byte, err error) { out <- outcome{data, err} })
-		close(queued)
-		r := <-out
-		s.finish(cl, r.data, r.err)
-		return r.data, r.err
+	s.fetchAndStore(cl, f.verify, func(data []byte, err error) {
+		finish(data, err)
+		s.opts.InFlight.end(k, f, data, err)
 	})
+}
+
+// follow makes call cl follow another mount's fetch f of its chunk: cl's
+// readers get the verified bytes as soon as that fetch has them, and cl
+// ends when the chunk is in the node cache. The worker waits only for the
+// bytes (about as long as fetching them itself); the write is waited for
+// in the background. Only another mount's success is taken, and its
+// verified bytes if its write failed; if that fetch failed (its endpoints,
+// or its mount was closed), cl is queued again, to be fetched from this
+// mount's endpoints.
+func (s *Scheduler) follow(cl *call, f *flight) {
+	finish := func(data []byte, err error) { s.finish(cl, data, err) }
 	select {
-	case <-queued:
-	case res := <-ch:
-		if ran {
-			return // finished by the fetch itself
-		}
-		if res.Err == nil {
-			finish(nil, nil) // in the cache
-			return
-		}
-		if data, _ := res.Val.([]byte); data != nil {
-			// Fetched and verified (the same key) but not stored: store it.
-			s.publish(cl, data)
-			s.store(cl.chunk, data, finish)
-			return
-		}
-		s.opts.Logger.Info("fetch chunk: another mount's fetch failed; fetching from this mount's endpoints", "chunk", cl.chunk.Digest, "err", res.Err)
-		s.fetchAndStore(cl, finish)
+	case <-f.verified:
 	case <-s.ctx.Done():
-		// Closed while waiting. If the fetch is this scheduler's own, it
-		// stops too (its context is canceled) and whoever waits for it
-		// fetches for themselves.
 		finish(nil, ErrClosed)
+		return
+	}
+	if f.data != nil {
+		s.publish(cl, f.data)
+	}
+	wait := func() {
+		select {
+		case <-f.done:
+		case <-s.ctx.Done():
+			finish(nil, ErrClosed)
+			return
+		}
+		switch {
+		case f.err == nil:
+			finish(nil, nil) // in the cache
+		case f.data != nil:
+			// Fetched and verified (the same key) but not stored: store it.
+			s.store(cl.chunk, f.data, finish)
+		default:
+			s.opts.Logger.Info("fetch chunk: another mount's fetch failed; fetching from this mount's endpoints", "chunk", cl.chunk.Digest, "err", f.err)
+			if !s.requeue(cl) {
+				finish(nil, ErrClosed)
+			}
+		}
+	}
+	select {
+	case <-f.done:
+		wait()
+	default:
+		s.wg.Add(1) // the worker calling follow holds the group open
+		go func() {
+			defer s.wg.Done()
+			wait()
+		}()
 	}
 }
 
-// outcome is the result of fetching and storing a chunk.
-type outcome struct {
-	data []byte
-	err  error
+// requeue puts started call cl back in its queue, to be run again, unless
+// the scheduler is closed or cl is over; it reports whether it did.
+func (s *Scheduler) requeue(cl *call) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || cl.finished {
+		return false
+	}
+	cl.started = false
+	s.queues[cl.prio] = append(s.queues[cl.prio], cl)
+	s.cond.Signal()
+	return true
 }
 
 // fetchAndStore fetches cl's chunk, unless the node cache has it, hands its
-// verified bytes to cl's readers and queues its write into the cache. done
-// gets the outcome: from the writer once the write is over, or from this
-// goroutine if nothing was queued. It returns once the write is queued or
-// done was called.
-func (s *Scheduler) fetchAndStore(cl *call, done func(data []byte, err error)) {
+// verified bytes to cl's readers (and to verified, if not nil) and queues
+// its write into the cache. done gets the outcome: from the writer once the
+// write is over, or from this goroutine if nothing was queued. It returns
+// once the write is queued or done was called.
+func (s *Scheduler) fetchAndStore(cl *call, verified func([]byte), done func(data []byte, err error)) {
 	c := cl.chunk
 	if s.cache.Has(c.Digest) {
 		done(nil, nil)
@@ -537,6 +563,9 @@ func (s *Scheduler) fetchAndStore(cl *call, done func(data []byte, err error)) {
 		return
 	}
 	s.publish(cl, data)
+	if verified != nil {
+		verified(data)
+	}
 	s.store(c, data, done)
 }
 

@@ -18,7 +18,6 @@ import (
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-	"golang.org/x/sync/singleflight"
 	"oras.land/oras-go/v2/errdef"
 	"oras.land/oras-go/v2/registry/remote"
 )
@@ -75,7 +74,13 @@ func (g *gate) open() {
 // its mounts.
 func setup(t *testing.T) (*cache.Store, *format.Codec) {
 	t.Helper()
-	c, err := cache.Open(t.TempDir(), 0)
+	return setupIn(t, t.TempDir())
+}
+
+// setupIn is setup with the node cache in dir.
+func setupIn(t *testing.T, dir string) (*cache.Store, *format.Codec) {
+	t.Helper()
+	c, err := cache.Open(dir, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,7 +94,7 @@ func setup(t *testing.T) (*cache.Store, *format.Codec) {
 
 func newScheduler(t *testing.T, name string, store interface {
 	Fetch(context.Context, ocispec.Descriptor) (io.ReadCloser, error)
-}, c *cache.Store, codec *format.Codec, inFlight *singleflight.Group) *Scheduler {
+}, c *cache.Store, codec *format.Codec, inFlight *Flights) *Scheduler {
 	t.Helper()
 	s := New([]Endpoint{{Name: name, Store: store}}, c, codec, Options{
 		Deadline: 10 * time.Minute, Backoff: 10 * time.Millisecond, KeepLog: true, InFlight: inFlight,
@@ -203,7 +208,7 @@ func TestLyingTableDoesNotBreakAnotherMount(t *testing.T) {
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
 			c, codec := setup(t)
-			var inFlight singleflight.Group
+			var inFlight Flights
 			liarStore := newGate(tc.liarBlobs)
 			defer liarStore.open()
 			liar := newScheduler(t, "liar", liarStore, c, codec, &inFlight)
@@ -303,7 +308,7 @@ func deadRepository(t *testing.T) *remote.Repository {
 // Close returns without waiting for the deadline, and the read waiting for
 // the chunk, a prefetch and any later read fail with ErrClosed.
 func TestCloseStopsRetries(t *testing.T) {
-	for _, inFlight := range []*singleflight.Group{nil, new(singleflight.Group)} {
+	for _, inFlight := range []*Flights{nil, new(Flights)} {
 		t.Run(fmt.Sprintf("in-flight group %v", inFlight != nil), func(t *testing.T) {
 			c, codec := setup(t)
 			dead := &countingFetcher{inner: deadRepository(t)}
@@ -342,7 +347,7 @@ func TestCloseStopsRetries(t *testing.T) {
 // mount's read gets the chunk from its own endpoint.
 func TestCloseDoesNotFailAnotherMountsRead(t *testing.T) {
 	c, codec := setup(t)
-	var inFlight singleflight.Group
+	var inFlight Flights
 	data := randBytes(1, 64<<10)
 	d := digest.FromBytes(data)
 	ch := format.Chunk{Size: int64(len(data)), Encoding: format.EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}

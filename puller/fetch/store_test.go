@@ -18,7 +18,6 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/prometheus/client_golang/prometheus"
-	"golang.org/x/sync/singleflight"
 	"golang.org/x/sys/unix"
 )
 
@@ -176,18 +175,20 @@ func TestFetchingGoesOnWhileCacheWriteWaits(t *testing.T) {
 	}
 }
 
-// TestAnotherMountWaitsForTheWriteNotAFetch: mount A has fetched a chunk
-// and its cache write is held; mount B reads the same chunk (stored the
-// same way). B gets the bytes and the chunk is fetched once: the node-wide
-// fetch lasts until the chunk is in the cache, so B joins it instead of
-// fetching again because the chunk is neither in flight nor in the cache.
-func TestAnotherMountWaitsForTheWriteNotAFetch(t *testing.T) {
+// TestAnotherMountTakesTheBytesNotAFetch: mount A has fetched a chunk and
+// its cache write is held; mount B reads the same chunk (stored the same
+// way). B gets the verified bytes at once, while A's write is still held
+// (a page fault does not wait for another mount's disk), and the chunk is
+// fetched once: the node-wide fetch lasts until the chunk is in the cache,
+// so B joins it instead of fetching again because the chunk is neither in
+// flight nor in the cache. B's call ends when A's write does.
+func TestAnotherMountTakesTheBytesNotAFetch(t *testing.T) {
 	c, codec := setup(t)
 	held := newHeldStore(c)
 	defer held.open()
 	cs, b := rawChunks(20, 1, 64<<10)
 	src := &fetchCounter{blobs: b}
-	var inFlight singleflight.Group
+	var inFlight Flights
 	eps := []Endpoint{{Name: "primary", Store: src}}
 	ma := startScheduler(t, eps, held, codec, Options{InFlight: &inFlight})
 	mb := startScheduler(t, eps, held, codec, Options{InFlight: &inFlight})
@@ -198,11 +199,25 @@ func TestAnotherMountWaitsForTheWriteNotAFetch(t *testing.T) {
 		t.Fatalf("mount A's read: %d bytes, %v", len(res.data), res.err)
 	}
 	wait(t, held.entered, "mount A's cache write")
-	readB := get(mb, ctx, cs[0])
-	waitStarted(t, mb, cs[0])
-	held.open()
-	if res := wait(t, readB, "mount B's read"); res.err != nil || !bytes.Equal(res.data, b[cs[0].Digest]) {
+	if res := wait(t, get(mb, ctx, cs[0]), "mount B's read while A's cache write is held"); res.err != nil || !bytes.Equal(res.data, b[cs[0].Digest]) {
 		t.Fatalf("mount B's read: %d bytes, %v", len(res.data), res.err)
+	}
+	if n := src.total(); n != 1 {
+		t.Fatalf("the chunk was fetched %d times, want once", n)
+	}
+	pb := mb.Prefetch(cs[:1])
+	if len(pb) != 1 {
+		t.Fatalf("mount B's prefetch of a chunk not in the cache: %d pending, want 1", len(pb))
+	}
+	if isDone(pb[0]) {
+		t.Fatal("mount B's call ended before mount A's cache write")
+	}
+	held.open()
+	if err := pb[0].Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !c.Has(cs[0].Digest) {
+		t.Error("chunk not in the cache once A's write is over")
 	}
 	if n := src.total(); n != 1 {
 		t.Fatalf("the chunk was fetched %d times, want once", n)
@@ -315,15 +330,7 @@ func TestFullDiskFailsNoRead(t *testing.T) {
 		testenv.SkipOrFatal(t, "mount tmpfs: %v", err)
 	}
 	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
-	c, err := cache.Open(mnt, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	codec, err := format.NewCodec(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(codec.Close)
+	c, codec := setupIn(t, mnt)
 	cs, b := rawChunks(50, 2, 64<<10)
 	src := &fetchCounter{blobs: b}
 	reg := prometheus.NewRegistry()
@@ -385,4 +392,69 @@ func counter(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	}
 	t.Fatalf("no counter %s", name)
 	return 0
+}
+
+// TestLargeChunkIsNotStarved fills a writer (room for 4 KiB, writes held)
+// with 3 KiB of small chunks, then submits a 3 KiB chunk, which must wait,
+// and after it a 1 KiB chunk, which would fit: the small one waits its
+// turn behind the large one instead of taking the room the large one waits
+// for (a stream of small chunks would otherwise starve it forever). Once
+// the writes go through, the large chunk is written before the small one.
+func TestLargeChunkIsNotStarved(t *testing.T) {
+	release := make(chan struct{})
+	var mu sync.Mutex
+	var order []digest.Digest
+	put := func(d digest.Digest, _ []byte) error {
+		<-release
+		mu.Lock()
+		order = append(order, d)
+		mu.Unlock()
+		return nil
+	}
+	w := newWriter(put, 1, 4<<10, nil)
+	defer w.close()
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	noop := func(error) {}
+	for i := range 3 {
+		if err := w.submit(digest.FromBytes([]byte{byte(i)}), make([]byte, 1<<10), noop); err != nil {
+			t.Fatal(err)
+		}
+	}
+	large, small := digest.FromString("large"), digest.FromString("small")
+	submitted := make(chan error, 2)
+	go func() { submitted <- w.submit(large, make([]byte, 3<<10), noop) }()
+	waitFor(t, func() bool { _, n := w.state(); return n == 1 }, "the large chunk waiting for room")
+	go func() { submitted <- w.submit(small, make([]byte, 1<<10), noop) }()
+	waitFor(t, func() bool { b, n := w.state(); return n == 2 || b != 3<<10 }, "the small chunk waiting or let in")
+	if b, n := w.state(); b != 3<<10 || n != 2 {
+		t.Fatalf("%d bytes queued, %d submits waiting; want 3 KiB and both waiting (the small chunk took the large one's room)", b, n)
+	}
+	close(release)
+	for range 2 {
+		if err := <-submitted; err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(order) == 5 }, "all five writes")
+	if order[3] != large || order[4] != small {
+		t.Errorf("writes 4 and 5 are %s, %s; want the large chunk, then the small one", order[3], order[4])
+	}
+}
+
+// waitFor polls cond until it holds, failing the test after hangLimit.
+func waitFor(t *testing.T, cond func() bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(hangLimit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: still waiting after %s", what, hangLimit)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }

@@ -26,6 +26,10 @@ type writer struct {
 	bytes   int64
 	waiting int
 	closed  bool
+	// Submits are let in in the order they came (tickets), so that a
+	// large chunk is not starved by small ones taking the room it waits
+	// for.
+	nextTicket, turn uint64
 
 	wg sync.WaitGroup
 }
@@ -57,7 +61,14 @@ func (w *writer) submit(d digest.Digest, data []byte, done func(error)) error {
 	n := int64(len(data))
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for !w.closed && w.bytes > 0 && w.bytes+n > w.limit {
+	ticket := w.nextTicket
+	w.nextTicket++
+	// Once in, the next in line may go: whatever happens to this one.
+	defer func() {
+		w.turn++
+		w.cond.Broadcast()
+	}()
+	for !w.closed && (ticket != w.turn || w.bytes > 0 && w.bytes+n > w.limit) {
 		w.waiting++
 		w.cond.Wait()
 		w.waiting--
