@@ -42,12 +42,17 @@ func CrashableFS(t testing.TB, size int64) (mnt string, crash func()) {
 		}
 	}
 	run("mkfs.ext4", "-q", img)
-	out, err := exec.Command("losetup", "-f", "--show", img).CombinedOutput()
-	if err != nil {
-		SkipOrFatal(t, "testenv: no loop device: %v %s", err, out)
+	attach := func() string {
+		t.Helper()
+		out, err := exec.Command("losetup", "-f", "--show", img).CombinedOutput()
+		if err != nil {
+			SkipOrFatal(t, "testenv: no loop device: %v %s", err, out)
+		}
+		loop := strings.TrimSpace(string(out))
+		t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
+		return loop
 	}
-	loop := strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
+	loop := attach()
 	mnt = t.TempDir()
 	run("mount", loop, mnt)
 	// Registered after the loop device's cleanup, so it runs before it.
@@ -66,6 +71,14 @@ func CrashableFS(t testing.TB, size int64) (mnt string, crash func()) {
 			t.Fatalf("testenv: EXT4_IOC_SHUTDOWN: %v", err)
 		}
 		run("umount", mnt)
+		// Mounted again from a new loop device: a mount namespace made
+		// meanwhile (runsc makes them, in tests running in parallel) keeps
+		// a copy of the old mount, so the old device's shut-down
+		// filesystem lives on and mounting that device again would get
+		// it back, failing every call with EIO. A new device gets a fresh
+		// mount of what reached the disk.
+		exec.Command("losetup", "-d", loop).Run()
+		loop = attach()
 		run("mount", loop, mnt)
 	}
 	return mnt, crash
