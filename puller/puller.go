@@ -341,11 +341,14 @@ func prefetchOrder(snap *format.Snapshot, chunks [][]format.Chunk, files []int, 
 	return out
 }
 
-// imageWrite is a materialized dir being written; err is set before done
-// is closed.
+// imageWrite is a materialized dir being written; err and stopped are set
+// before done is closed. stopped says the write ended because its load
+// was stopped (its context ended, its scheduler closed), not because it
+// failed: a load that joined it writes again.
 type imageWrite struct {
-	done chan struct{}
-	err  error
+	done    chan struct{}
+	err     error
+	stopped bool
 }
 
 // materialize writes the snapshot as a plain image dir from the node
@@ -373,6 +376,7 @@ func (l *load) materialize(ctx context.Context) error {
 		l.p.mu.Unlock()
 		if !joined {
 			w.err = l.p.cache.WriteImage(ctx, l.snap, l.chunks, src)
+			w.stopped = w.err != nil && (ctx.Err() != nil || errors.Is(w.err, fetch.ErrClosed))
 			l.p.mu.Lock()
 			delete(l.p.writing, d)
 			l.p.mu.Unlock()
@@ -387,8 +391,7 @@ func (l *load) materialize(ctx context.Context) error {
 		case <-ctx.Done():
 			return ctx.Err()
 		}
-		stopped := errors.Is(w.err, context.Canceled) || errors.Is(w.err, context.DeadlineExceeded) || errors.Is(w.err, fetch.ErrClosed)
-		if w.err != nil && stopped && ctx.Err() == nil {
+		if w.stopped && ctx.Err() == nil {
 			continue
 		}
 		if w.err != nil {

@@ -384,7 +384,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	return cl, nil
 }
 
-// next takes the next call to run: the newest fault, else the oldest read,
+// next takes the next call to run, and the priority it runs at: the newest fault, else the oldest read,
 // else, only while no read waits or runs, the next prefetch. A restoring
 // sandbox keeps many reads in flight (gVisor's background loader issues up
 // to 128 at once, in ascending order); the page fault its application is
@@ -392,12 +392,12 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 // the loader's reads back: that would serialize the loader behind every
 // page fault. Prefetches wait while reads are served,
 // which covers the whole file anyway.
-func (s *Scheduler) next() *call {
+func (s *Scheduler) next() (*call, Priority) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for {
 		if s.closed {
-			return nil
+			return nil, 0
 		}
 		for p := numPriorities - 1; p >= 0; p-- {
 			if p == Prefetch && (s.active[Fault]+s.active[Read] > 0) {
@@ -407,7 +407,7 @@ func (s *Scheduler) next() *call {
 				cl.started = true
 				s.active[p]++
 				s.record(cl)
-				return cl
+				return cl, p
 			}
 		}
 		s.cond.Wait()
@@ -443,13 +443,15 @@ func (s *Scheduler) record(cl *call) {
 func (s *Scheduler) worker() {
 	defer s.wg.Done()
 	for {
-		cl := s.next()
+		cl, prio := s.next()
 		if cl == nil {
 			return
 		}
 		s.run(cl)
 		s.mu.Lock()
-		s.active[cl.prio]--
+		// The priority it ran at: a call run again (requeue) may have
+		// been promoted since.
+		s.active[prio]--
 		s.cond.Broadcast() // lower priorities may run now
 		s.mu.Unlock()
 	}
