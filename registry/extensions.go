@@ -136,7 +136,7 @@ func (m recordingManifests) Put(ctx context.Context, manifest distribution.Manif
 	// The manifest is stored: recording must finish even if the client
 	// goes away now.
 	rctx := context.WithoutCancel(ctx)
-	if subject, err := m.s.refs.Record(rctx, m.repo, payload, mediaType); err != nil {
+	if subject, err := m.s.refs.Record(rctx, m.repo, d, payload, mediaType); err != nil {
 		m.s.log.Error("record referrer", "repository", m.repo, "digest", d, "err", err)
 	} else if note, ok := ctx.Value(subjectNoteKey{}).(*subjectNote); ok && subject != "" {
 		note.subject = subject
@@ -156,7 +156,7 @@ func (m recordingManifests) Delete(ctx context.Context, d digest.Digest) error {
 		return err
 	}
 	if payload != nil {
-		if err := m.s.refs.Forget(context.WithoutCancel(ctx), m.repo, payload); err != nil {
+		if err := m.s.refs.Forget(context.WithoutCancel(ctx), m.repo, d, payload); err != nil {
 			m.s.log.Error("drop referrer", "repository", m.repo, "digest", d, "err", err)
 		}
 	}

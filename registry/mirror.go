@@ -68,3 +68,11 @@ func (s *Server) fillMirror(r *http.Request, repo, ref string) bool {
 		return false
 	}
 }
+
+// discardWriter is a ResponseWriter that keeps nothing: a mirror fill's
+// response is the blob stored, not bytes for anyone.
+type discardWriter struct{ header http.Header }
+
+func (d discardWriter) Header() http.Header       { return d.header }
+func (discardWriter) Write(b []byte) (int, error) { return len(b), nil }
+func (discardWriter) WriteHeader(int)             {}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
+	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/cryo-oci/cryo/registry/referrers"
 	"github.com/distribution/distribution/v3"
@@ -257,8 +258,7 @@ func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
 	_, err := s.driver.Stat(ctx, "/")
-	var notFound storagedriver.PathNotFoundError
-	if err != nil && !errors.As(err, &notFound) {
+	if err != nil && !extstore.IsNotFound(err) {
 		http.Error(w, fmt.Sprintf("storage %s unreachable: %v", s.driver.Name(), err), http.StatusServiceUnavailable)
 		return
 	}
@@ -267,8 +267,9 @@ func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
 
 // authorize checks that the request's credentials may pull from repo (or
 // reach the registry at all if repo is ""), with the access controller
-// distribution uses. On refusal it answers as distribution does (401 with
-// the controller's challenge, or 403) and returns false.
+// distribution uses. On refusal it answers 401 with the controller's
+// challenge, as distribution does, or, for any other refusal, 403 DENIED
+// (where distribution answers a bare 400), and returns false.
 func (s *Server) authorize(w http.ResponseWriter, r *http.Request, repo string) bool {
 	if s.access == nil {
 		return true

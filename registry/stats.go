@@ -3,13 +3,12 @@ package registry
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"strconv"
 
 	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/distribution/distribution/v3"
-	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -56,8 +55,7 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 		st.BlobBytes += desc.Size
 		return nil
 	})
-	var notFound storagedriver.PathNotFoundError
-	if err != nil && !errors.As(err, &notFound) {
+	if err != nil && !extstore.IsNotFound(err) {
 		return nil, fmt.Errorf("enumerate blobs: %w", err)
 	}
 	enum, ok := s.ns.(distribution.RepositoryEnumerator)
@@ -104,12 +102,12 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 			}
 			return nil
 		})
-		if err != nil && !errors.As(err, &notFound) {
+		if err != nil && !extstore.IsNotFound(err) {
 			return err
 		}
 		return nil
 	})
-	if err != nil && !errors.As(err, &notFound) {
+	if err != nil && !extstore.IsNotFound(err) {
 		return nil, fmt.Errorf("enumerate repositories: %w", err)
 	}
 	return st, nil

@@ -384,14 +384,14 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	return cl, nil
 }
 
-// next takes the next call to run, and the priority it runs at: the newest fault, else the oldest read,
-// else, only while no read waits or runs, the next prefetch. A restoring
-// sandbox keeps many reads in flight (gVisor's background loader issues up
-// to 128 at once, in ascending order); the page fault its application is
-// blocked on arrives last, so faults go newest first. Faults do not hold
-// the loader's reads back: that would serialize the loader behind every
-// page fault. Prefetches wait while reads are served,
-// which covers the whole file anyway.
+// next takes the next call to run, and the priority it runs at: the
+// newest fault, else the oldest read, else, only while no read waits or
+// runs, the next prefetch. A restoring sandbox keeps many reads in flight
+// (gVisor's background loader issues up to 128 at once, in ascending
+// order); the page fault its application is blocked on arrives last, so
+// faults go newest first. Faults do not hold the loader's reads back: that
+// would serialize the loader behind every page fault. Prefetches wait
+// while reads are served, which covers the whole file anyway.
 func (s *Scheduler) next() (*call, Priority) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

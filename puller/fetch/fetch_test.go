@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"net"
 	"sync"
@@ -92,26 +91,12 @@ func setupIn(t *testing.T, dir string) (*cache.Store, *format.Codec) {
 	return c, codec
 }
 
+// newScheduler starts a scheduler fetching from store alone (startScheduler).
 func newScheduler(t *testing.T, name string, store interface {
 	Fetch(context.Context, ocispec.Descriptor) (io.ReadCloser, error)
 }, c *cache.Store, codec *format.Codec, inFlight *Flights) *Scheduler {
 	t.Helper()
-	s := New([]Endpoint{{Name: name, Store: store}}, c, codec, Options{
-		Deadline: 10 * time.Minute, Backoff: 10 * time.Millisecond, KeepLog: true, InFlight: inFlight,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
-	t.Cleanup(func() {
-		// Bounded, so that a Close that hangs fails the test instead of
-		// hanging it.
-		closed := make(chan struct{})
-		go func() { s.Close(); close(closed) }()
-		select {
-		case <-closed:
-		case <-time.After(hangLimit):
-			t.Errorf("Close of %s: still waiting after %s", name, hangLimit)
-		}
-	})
-	return s
+	return startScheduler(t, []Endpoint{{Name: name, Store: store}}, c, codec, Options{InFlight: inFlight})
 }
 
 func randBytes(seed uint64, n int) []byte {

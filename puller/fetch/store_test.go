@@ -90,7 +90,8 @@ func rawChunks(seed uint64, n, size int) ([]format.Chunk, blobs) {
 }
 
 // startScheduler starts a scheduler over store with opts (a 10-minute
-// deadline, quiet) and closes it at the end of the test, bounded.
+// deadline, quiet) and closes it at the end of the test, bounded: a Close
+// that hangs fails the test instead of hanging it.
 func startScheduler(t *testing.T, eps []Endpoint, store chunkStore, codec *format.Codec, opts Options) *Scheduler {
 	t.Helper()
 	opts.Deadline = 10 * time.Minute

@@ -2,7 +2,6 @@ package maintenance
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"path"
 	"regexp"
@@ -91,8 +90,7 @@ func newGraceKeeper(ctx context.Context, driver storagedriver.StorageDriver, ns 
 		}
 		return nil
 	})
-	var notFound storagedriver.PathNotFoundError
-	if err != nil && !errors.As(err, &notFound) {
+	if err != nil && !extstore.IsNotFound(err) {
 		return nil, fmt.Errorf("find content younger than the grace period: %w", err)
 	}
 	for _, m := range manifests {
@@ -208,8 +206,7 @@ func (g *graceKeeper) blobYoung(ctx context.Context, d digest.Digest) (bool, err
 // cutoff; a missing file was not.
 func (g *graceKeeper) modifiedAfterCutoff(ctx context.Context, p string) (bool, error) {
 	fi, err := g.driver.Stat(ctx, p)
-	var notFound storagedriver.PathNotFoundError
-	if errors.As(err, &notFound) {
+	if extstore.IsNotFound(err) {
 		return false, nil
 	}
 	if err != nil {

@@ -11,7 +11,7 @@ import (
 	"sync"
 	"time"
 
-	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
+	"github.com/cryo-oci/cryo/registry/extstore"
 )
 
 // Read-only mode for maintenance (SPEC.md 12.4). Distribution's garbage
@@ -60,8 +60,7 @@ var ErrReadOnlyLost = errors.New("read-only lease lost")
 func (m *Maintainer) ReadOnly(ctx context.Context) (*ReadOnlyMarker, error) {
 	data, err := m.driver.GetContent(ctx, ReadOnlyPath)
 	if err != nil {
-		var nf storagedriver.PathNotFoundError
-		if errors.As(err, &nf) {
+		if extstore.IsNotFound(err) {
 			return nil, nil
 		}
 		return nil, fmt.Errorf("read read-only marker: %w", err)
@@ -219,8 +218,7 @@ func (m *Maintainer) LeaveReadOnly(ctx context.Context) error {
 
 func (m *Maintainer) clearMarker(ctx context.Context) error {
 	err := m.driver.Delete(ctx, ReadOnlyPath)
-	var nf storagedriver.PathNotFoundError
-	if err != nil && !errors.As(err, &nf) {
+	if err != nil && !extstore.IsNotFound(err) {
 		return fmt.Errorf("remove read-only marker: %w", err)
 	}
 	m.readOnly.Store(nil)

@@ -12,8 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/distribution/distribution/v3/configuration"
-	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -160,8 +160,7 @@ func flagName(holder string) string {
 // owedFlushes lists the flags of owed flushes.
 func (m *Maintainer) owedFlushes(ctx context.Context) ([]string, error) {
 	flags, err := m.driver.List(ctx, cacheFlushDir)
-	var nf storagedriver.PathNotFoundError
-	if errors.As(err, &nf) {
+	if extstore.IsNotFound(err) {
 		return nil, nil
 	}
 	if err != nil {
@@ -180,8 +179,7 @@ func (m *Maintainer) flushAndSettle(ctx context.Context, flags []string) (int, e
 	var errs []error
 	for _, f := range flags {
 		if err := m.driver.Delete(ctx, f); err != nil {
-			var nf storagedriver.PathNotFoundError
-			if !errors.As(err, &nf) {
+			if !extstore.IsNotFound(err) {
 				errs = append(errs, fmt.Errorf("clear owed cache flush %s: %w", f, err))
 			}
 		}

@@ -59,10 +59,10 @@ func subjectOf(body []byte) (manifestWithSubject, bool) {
 	return m, true
 }
 
-// Record stores a referrer entry for the manifest body (of media type
-// contentType if it does not say) pushed to repo, if it has a subject, and
-// returns the subject's digest ("" if none).
-func (rf *Store) Record(ctx context.Context, repo string, body []byte, contentType string) (digest.Digest, error) {
+// Record stores a referrer entry for the manifest body of digest d (of
+// media type contentType if it does not say) pushed to repo, if it has a
+// subject, and returns the subject's digest ("" if none).
+func (rf *Store) Record(ctx context.Context, repo string, d digest.Digest, body []byte, contentType string) (digest.Digest, error) {
 	m, ok := subjectOf(body)
 	if !ok {
 		return "", nil
@@ -74,7 +74,7 @@ func (rf *Store) Record(ctx context.Context, repo string, body []byte, contentTy
 	desc := ocispec.Descriptor{
 		MediaType:    mediaType,
 		ArtifactType: m.ArtifactType,
-		Digest:       digest.FromBytes(body),
+		Digest:       d,
 		Size:         int64(len(body)),
 		Annotations:  m.Annotations,
 	}
@@ -94,14 +94,14 @@ func (rf *Store) Record(ctx context.Context, repo string, body []byte, contentTy
 	return m.Subject.Digest, nil
 }
 
-// Forget drops the entry of manifest body, deleted from repo, if it has a
-// subject.
-func (rf *Store) Forget(ctx context.Context, repo string, body []byte) error {
+// Forget drops the entry of manifest body of digest d, deleted from repo,
+// if it has a subject.
+func (rf *Store) Forget(ctx context.Context, repo string, d digest.Digest, body []byte) error {
 	m, ok := subjectOf(body)
 	if !ok {
 		return nil
 	}
-	p := path.Join(subjectDir(repo, m.Subject.Digest), digest.FromBytes(body).Encoded())
+	p := path.Join(subjectDir(repo, m.Subject.Digest), d.Encoded())
 	if err := rf.driver.Delete(ctx, p); err != nil && !extstore.IsNotFound(err) {
 		return fmt.Errorf("drop referrer of %s: %w", m.Subject.Digest, err)
 	}
