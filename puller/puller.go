@@ -22,6 +22,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -157,7 +158,7 @@ func (p *Puller) Materialized(d digest.Digest) (string, bool) {
 type Progress struct {
 	Digest       digest.Digest `json:"digest"`
 	Dir          string        `json:"dir"`
-	Mode         string        `json:"mode"` // "fuse", "materialized" or "eager"
+	Mode         string        `json:"mode"` // "fuse", "gofer", "materialized" or "eager"
 	TotalBytes   int64         `json:"totalBytes"`
 	LocalBytes   int64         `json:"localBytes"`
 	DemandChunks int64         `json:"demandChunks"`
@@ -431,6 +432,8 @@ type Mount struct {
 	ready   time.Duration
 	server  *fuse.Server
 	fsStats imagefs.Stats
+	// materialized is the materialized dir a MountFiles mount reads.
+	materialized string
 	// files are what imagefs serves: every file's chunks, and the small
 	// files' bytes.
 	files []imagefs.File
@@ -456,6 +459,23 @@ type Mount struct {
 // is bind-mounted from the node cache instead (no FUSE); without FUSE,
 // Mount loads eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
+	return p.mount(ctx, src, dir, false)
+}
+
+// MountFiles makes the snapshot readable through the Mount's ReadAt, for
+// a presenter other than FUSE (the checkpoint gofer's file API, which
+// reads it into a restoring sandbox's memory), and returns once ReadAt
+// can serve every file: small files fetched and verified, large files
+// read lazily, the rest loading in the background as in Mount. dir is
+// created 0700 and left empty for the presenter's own files; nothing of
+// the snapshot is written there. A materialized snapshot is read from its
+// materialized dir. MountFiles needs no FUSE.
+func (p *Puller) MountFiles(ctx context.Context, src Source, dir string) (*Mount, error) {
+	return p.mount(ctx, src, dir, true)
+}
+
+// mount is Mount, or with files MountFiles.
+func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool) (*Mount, error) {
 	start := time.Now()
 	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -466,7 +486,14 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 		return nil, err
 	}
 	m.l = l
-	if img, ok := p.Materialized(src.Index.Digest); ok {
+	if img, ok := p.Materialized(src.Index.Digest); ok && files {
+		m.mode = "materialized"
+		m.materialized = img
+		m.ready = time.Since(start)
+		l.local.Store(l.total)
+		m.finish(nil)
+		return m, nil
+	} else if ok {
 		if err := bindMount(img, dir); err != nil {
 			m.close()
 			return nil, err
@@ -486,6 +513,17 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	m.files = make([]imagefs.File, len(l.snap.Files))
 	for i, f := range l.snap.Files {
 		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Chunks: l.chunks[i]}
+	}
+	if files {
+		lazy, err := m.fetchSmallFiles(ctx)
+		if err != nil {
+			m.close()
+			return nil, err
+		}
+		m.mode = "gofer"
+		m.ready = time.Since(start)
+		m.startBackground(bg, lazy)
+		return m, nil
 	}
 	if p.opts.NoFUSE || !FUSEAvailable() {
 		p.opts.Logger.Warn("FUSE unavailable: pulling the whole snapshot before restore", "snapshot", src.Index.Digest)
@@ -527,14 +565,74 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 	m.server = server
 	m.mode = "fuse"
 	m.ready = time.Since(start)
+	m.startBackground(bg, lazy)
+	return m, nil
+}
+
+// startBackground loads the given files (indexes) in the background, as
+// a ready mount does.
+func (m *Mount) startBackground(ctx context.Context, files []int) {
 	m.background.Add(1)
 	go func() {
 		defer m.background.Done()
-		if err := m.loadAll(bg, lazy); err != nil && bg.Err() == nil {
-			p.opts.Logger.Error("background load failed", "snapshot", src.Index.Digest, "err", err)
+		if err := m.loadAll(ctx, files); err != nil && ctx.Err() == nil {
+			m.l.p.opts.Logger.Error("background load failed", "snapshot", m.l.src.Index.Digest, "err", err)
 		}
 	}()
-	return m, nil
+}
+
+// ReadAt fills p with the bytes of the snapshot's file path at off, which
+// must lie within the file, verified, from the node cache or fetched at
+// priority prio (fetch.Fault for reads a sandbox waits on) ahead of the
+// background load. A materialized mount reads its materialized dir. It is
+// how presenters other than FUSE (MountFiles) read the mount; a FUSE or
+// bind mount serves the same bytes.
+func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error {
+	i, ok := m.fileIndex(path)
+	if !ok {
+		return fmt.Errorf("snapshot %s has no file %q: %w", m.l.src.Index.Digest, path, os.ErrNotExist)
+	}
+	if m.materialized != "" {
+		return m.readMaterialized(i, p, off)
+	}
+	src := format.ChunkSource(scheduled{s: m.l.sched, prio: prio})
+	return imagefs.ReadAt(ctx, m.l.p.cache, &m.files[i], p, off, src, &m.fsStats)
+}
+
+// FileSize returns the size of the snapshot's file path.
+func (m *Mount) FileSize(path string) (int64, bool) {
+	i, ok := m.fileIndex(path)
+	if !ok {
+		return 0, false
+	}
+	return m.l.snap.Files[i].Size, true
+}
+
+func (m *Mount) fileIndex(path string) (int, bool) {
+	for i, f := range m.l.snap.Files {
+		if f.Path == path {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+// readMaterialized reads file i of a materialized mount from its
+// materialized dir (written from verified chunks, pinned by the mount).
+func (m *Mount) readMaterialized(i int, p []byte, off int64) error {
+	f := m.l.snap.Files[i]
+	if off < 0 || off+int64(len(p)) > f.Size {
+		return fmt.Errorf("%s: read of %d bytes at %d past its %d bytes", f.Path, len(p), off, f.Size)
+	}
+	fh, err := os.Open(filepath.Join(m.materialized, filepath.FromSlash(f.Path)))
+	if err != nil {
+		return err
+	}
+	defer fh.Close()
+	if _, err := fh.ReadAt(p, off); err != nil {
+		return fmt.Errorf("read %s of materialized snapshot %s: %w", f.Path, m.l.src.Index.Digest, err)
+	}
+	return nil
 }
 
 // fetchSmallFiles fetches and verifies the small files into memory, for
@@ -606,6 +704,9 @@ func (m *Mount) Err() error {
 // Dir is the image dir.
 func (m *Mount) Dir() string { return m.dir }
 
+// Digest is the mounted snapshot's index digest.
+func (m *Mount) Digest() digest.Digest { return m.l.src.Index.Digest }
+
 // Snapshot is the mounted snapshot.
 func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 
@@ -649,7 +750,8 @@ func (m *Mount) Progress() Progress {
 // once, and every call returns its result.
 func (m *Mount) Unmount() error {
 	m.unmountOnce.Do(func() {
-		if m.mode != "" {
+		// A MountFiles mount has nothing mounted at its dir.
+		if m.mode != "" && m.mode != "gofer" && m.materialized == "" {
 			m.unmountErr = unmount(m.dir)
 		}
 		m.close()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/cryo-oci/cryo/puller"
@@ -153,6 +154,9 @@ func newRestoreCmd() *cobra.Command {
 		runsc      string
 		runscFlags []string
 		mountDir   string
+		backend    string
+		goferDir   string
+		goferLog   string
 	)
 	cmd := &cobra.Command{
 		Use:   "restore [flags] REF [runsc restore flags] CONTAINER_ID",
@@ -168,9 +172,17 @@ Flags after REF go to runsc restore unchanged.
 
 runsc restore gets cryo's stdin, stdout and stderr, which become the
 restored container's: cryo writes its own messages to stderr only (as runsc
-does), never to stdout. Its first message names the mode: "fuse" (lazy,
-from the registry), "eager" (pulled whole first: no FUSE on the node) or
-"materialized" (local copy, no FUSE).`,
+does), never to stdout. Its first message names the mode: "gofer" (cryo's
+checkpoint gofer reads the snapshot into the sandbox's memory: no FUSE, no
+image on disk), "fuse" (lazy, from the registry), "eager" (pulled whole
+first: no FUSE on the node) or "materialized" (local copy, no FUSE).
+
+--backend chooses between the gofer and FUSE for a snapshot the node has
+not materialized: "auto" takes the gofer when --gofer-dir holds one built
+from the local runsc's gVisor release, else FUSE; "gofer" refuses to run
+without a matching one. runsc is pointed at the gofer with
+GVISOR_SIDECAR_BINARIES_DIR=--gofer-dir: never install cryo's gofer as
+gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 		Example: `  cryo restore --runsc-flag=--root=/run/runsc --runsc-flag=--platform=systrap \
     localhost:5000/app:v1 --bundle=/srv/app app1`,
 		Args: cobra.MinimumNArgs(2),
@@ -215,6 +227,9 @@ from the registry), "eager" (pulled whole first: no FUSE on the node) or
 				Stdout:       cmd.OutOrStdout(),
 				Stderr:       cmd.ErrOrStderr(),
 				Progress:     func(e restore.Event) { printRestoreEvent(msg, id, e) },
+				Backend:      restore.Backend(backend),
+				GoferDir:     goferDir,
+				GoferLog:     goferLog,
 			})
 			return err
 		},
@@ -223,8 +238,27 @@ from the registry), "eager" (pulled whole first: no FUSE on the node) or
 	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "runsc binary")
 	cmd.Flags().StringArrayVar(&runscFlags, "runsc-flag", nil, "global runsc flag, e.g. --runsc-flag=--root=/run/runsc (repeatable)")
 	cmd.Flags().StringVar(&mountDir, "mount-dir", "", "where to mount the snapshot (default: <cache>/mounts/<container id>)")
+	cmd.Flags().StringVar(&backend, "backend", string(restore.BackendAuto), "how runsc reads a snapshot not materialized on the node: gofer, fuse or auto (the gofer if --gofer-dir has one of runsc's release)")
+	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer (default $CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
+	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().SetInterspersed(false)
 	return cmd
+}
+
+// defaultGoferDir is $CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo
+// binary (where make gofer installs it), else empty.
+func defaultGoferDir() string {
+	if d := os.Getenv("CRYO_GOFER_DIR"); d != "" {
+		return d
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return ""
+	}
+	if exe, err = filepath.EvalSymlinks(exe); err != nil {
+		return ""
+	}
+	return filepath.Join(filepath.Dir(exe), "cryo-gofer")
 }
 
 // printRestoreEvent writes cryo restore's message for a step of restoring

@@ -105,7 +105,7 @@ Logs are structured (JSON) on stderr.`,
 			} else if n > 0 {
 				log.Info("detached stale mounts of a previous puller", "dir", mountsDir, "count", n)
 			}
-			d, err := daemon.New(p, pf.source, daemon.Options{MountsDir: mountsDir, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
+			d, err := daemon.New(p, pf.source, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
 			if err != nil {
 				return err
 			}

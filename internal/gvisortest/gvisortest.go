@@ -700,3 +700,20 @@ func (a *App) cleanup() error {
 	}
 	return errors.Join(errs...)
 }
+
+// GoferDir returns the dir holding cryo's checkpoint gofer
+// (bin/cryo-gofer, built by scripts/build-gofer.sh), for
+// GVISOR_SIDECAR_BINARIES_DIR; it skips the test if there is none (fails
+// under CI=true).
+func GoferDir(t testing.TB) string {
+	t.Helper()
+	root, err := RepoRoot()
+	if err != nil {
+		skipOrFatal(t, "gvisortest: no gofer: %v", err)
+	}
+	dir := filepath.Join(root, "bin", "cryo-gofer")
+	if fi, err := os.Stat(filepath.Join(dir, "checkpointgofer")); err != nil || fi.Mode()&0o111 == 0 {
+		skipOrFatal(t, "gvisortest: no checkpoint gofer in %s (run make gofer)", dir)
+	}
+	return dir
+}

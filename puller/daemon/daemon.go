@@ -3,11 +3,16 @@
 //
 //	POST   /v1/mounts            {"ref": "host/repo:tag"} -> 201 Mount
 //	                             (503 at Options.MaxMounts live mounts)
+//	                             {"ref": ..., "backend": "gofer"}: the dir
+//	                             holds only gcs_opts.json, for cryo's
+//	                             checkpoint gofer (no FUSE)
 //	GET    /v1/mounts            -> [Mount]
 //	GET    /v1/mounts/{id}       -> Mount
 //	POST   /v1/mounts/{id}/wait  -> Mount, once every chunk is local
 //	DELETE /v1/mounts/{id}       -> 204, unmounted (404 to all but one of
 //	                             concurrent DELETEs of a mount)
+//	GET    /v1/mounts/{id}/files/{path}  byte ranges of a mount's files
+//	                             (the gofer's file API, package gofer)
 //	GET    /metrics              Prometheus metrics
 //
 // A Mount's "dir" is an image dir for runsc restore --image-path.
@@ -36,6 +41,8 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sys/unix"
@@ -52,6 +59,9 @@ type Options struct {
 	// MountsDir is where mounts are made, one 0700 dir per mount; New
 	// creates it 0700 (and makes an existing one 0700).
 	MountsDir string
+	// Socket is the path of the socket the API is served on, named in
+	// the gcs_opts.json of gofer mounts (required for them).
+	Socket string
 	// MaxMounts caps live mounts (mounts being made count too); a request
 	// over it is refused with 503 (0: DefaultMaxMounts).
 	MaxMounts int
@@ -68,6 +78,7 @@ type Daemon struct {
 	p         *puller.Puller
 	resolve   Resolver
 	mountsDir string
+	socket    string
 	max       int
 	log       *slog.Logger
 	gatherer  prometheus.Gatherer
@@ -117,7 +128,7 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 			return nil, err
 		}
 	}
-	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{},
+	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, socket: opts.Socket, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{},
 		readyHist: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_ready_seconds", Help: "Time from a mount request until its image dir is ready.", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 		loadHist:  prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_loaded_seconds", Help: "Time from a mount request until every chunk is local.", Buckets: prometheus.ExponentialBuckets(0.05, 2, 14)}),
 	}
@@ -212,6 +223,7 @@ func (d *Daemon) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/mounts/{id}", d.get)
 	mux.HandleFunc("POST /v1/mounts/{id}/wait", d.wait)
 	mux.HandleFunc("DELETE /v1/mounts/{id}", d.delete)
+	gofer.RegisterFiles(mux, d.files)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(d.gatherer, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	return mux
@@ -243,10 +255,22 @@ func (d *Daemon) Close() {
 
 func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	var req struct {
-		Ref string `json:"ref"`
+		Ref     string `json:"ref"`
+		Backend string `json:"backend"`
 	}
 	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil || req.Ref == "" {
 		httpError(w, http.StatusBadRequest, "want a JSON body {\"ref\": \"host/repo:tag\"}")
+		return
+	}
+	switch req.Backend {
+	case "", "fuse":
+	case "gofer":
+		if d.socket == "" {
+			httpError(w, http.StatusBadRequest, "this puller was started without its socket path: no gofer mounts")
+			return
+		}
+	default:
+		httpError(w, http.StatusBadRequest, fmt.Sprintf("backend %q: want fuse or gofer", req.Backend))
 		return
 	}
 	d.mu.Lock()
@@ -284,9 +308,20 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusInternalServerError, fmt.Sprintf("mount point: %v", err))
 		return
 	}
-	m, err := d.p.Mount(r.Context(), src, dir)
+	var m *puller.Mount
+	if req.Backend == "gofer" {
+		m, err = d.p.MountFiles(r.Context(), src, dir)
+		if err == nil {
+			err = gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Index: src.Index.Digest, Socket: d.socket, Mount: id})
+			if err != nil {
+				m.Unmount()
+			}
+		}
+	} else {
+		m, err = d.p.Mount(r.Context(), src, dir)
+	}
 	if err != nil {
-		os.Remove(dir)
+		os.RemoveAll(dir)
 		d.log.Error("mount", "ref", req.Ref, "err", err)
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
@@ -368,9 +403,21 @@ func (d *Daemon) delete(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
 	}
+	os.Remove(filepath.Join(e.m.Dir(), gofer.ConfigFile))
 	os.Remove(e.m.Dir())
 	d.log.Info("unmounted", "id", e.id, "ref", e.ref)
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// files finds a mount's files for the file API.
+func (d *Daemon) files(id string) (gofer.Files, digest.Digest, bool) {
+	d.mu.Lock()
+	e := d.mounts[id]
+	d.mu.Unlock()
+	if e == nil {
+		return nil, "", false
+	}
+	return e.m, e.m.Digest(), true
 }
 
 func view(e *entry) Mount {

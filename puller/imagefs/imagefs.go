@@ -208,19 +208,35 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 		src = n.fs.src.Fault
 	}
 	dest = dest[:min(int64(len(dest)), n.file.Size-off)]
-	if n.file.Data != nil {
-		copy(dest, n.file.Data[off:])
-	} else if err := n.fs.readChunks(context.WithoutCancel(ctx), n.file, dest, off, src); err != nil {
+	if err := ReadAt(context.WithoutCancel(ctx), n.fs.cache, n.file, dest, off, src, n.fs.stats); err != nil {
 		// Never serve unverified or partial data: fail the read. The fetch
 		// scheduler has already retried until its deadline.
 		return nil, syscall.EIO
 	}
-	n.fs.stats.BytesServed.Add(int64(len(dest)))
 	return fuse.ReadResultData(dest), 0
 }
 
+// ReadAt fills dest with file's bytes at off, which must lie within the
+// file: a small file's from memory, a lazy file's from the node cache c or,
+// for chunks c lacks, from src. Every byte is verified before it is
+// copied into dest; on an error dest holds nothing to serve. The FUSE
+// filesystem reads through it, and so do the other presenters of a mount
+// (the checkpoint gofer's file API).
+func ReadAt(ctx context.Context, c *cache.Store, file *File, dest []byte, off int64, src format.ChunkSource, stats *Stats) error {
+	if off < 0 || off+int64(len(dest)) > file.Size {
+		return fmt.Errorf("%s: read of %d bytes at %d past its %d bytes", file.Path, len(dest), off, file.Size)
+	}
+	if file.Data != nil {
+		copy(dest, file.Data[off:])
+	} else if err := readChunks(ctx, c, file, dest, off, src, stats); err != nil {
+		return err
+	}
+	stats.BytesServed.Add(int64(len(dest)))
+	return nil
+}
+
 // readChunks fills dest with the file's bytes at off.
-func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64, src format.ChunkSource) error {
+func readChunks(ctx context.Context, cc *cache.Store, file *File, dest []byte, off int64, src format.ChunkSource, stats *Stats) error {
 	chunks := file.Chunks
 	i := sort.Search(len(chunks), func(i int) bool { return chunks[i].End() > off })
 	done := 0
@@ -231,7 +247,7 @@ func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64,
 		c := chunks[i]
 		pos := off + int64(done) - c.Offset
 		part := dest[done:min(len(dest), done+int(c.Size-pos))]
-		if err := f.readChunk(ctx, c, part, pos, src); err != nil {
+		if err := readChunk(ctx, cc, c, part, pos, src, stats); err != nil {
 			return err
 		}
 		done += len(part)
@@ -241,17 +257,17 @@ func (f *FS) readChunks(ctx context.Context, file *File, dest []byte, off int64,
 }
 
 // readChunk fills p with chunk c's bytes from offset pos within it.
-func (f *FS) readChunk(ctx context.Context, c format.Chunk, p []byte, pos int64, src format.ChunkSource) error {
+func readChunk(ctx context.Context, cc *cache.Store, c format.Chunk, p []byte, pos int64, src format.ChunkSource, stats *Stats) error {
 	if c.Encoding == format.EncodingZero {
 		clear(p)
 		return nil
 	}
-	if _, err := f.cache.ReadAt(c.Digest, p, pos); err == nil {
+	if _, err := cc.ReadAt(c.Digest, p, pos); err == nil {
 		return nil
 	} else if !errors.Is(err, cache.ErrNotFound) {
 		return err
 	}
-	f.stats.DemandChunks.Add(1)
+	stats.DemandChunks.Add(1)
 	// The fetched bytes are shared with other readers of the chunk: copy
 	// out, never write into them.
 	data, err := src.Chunk(ctx, c, nil)

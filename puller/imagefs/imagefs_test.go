@@ -28,11 +28,10 @@ func TestLyingSizeNeverServedOrPanics(t *testing.T) {
 	}
 	data := bytes.Repeat([]byte{9}, 4096)
 	lie := format.Chunk{Offset: 0, Size: 1 << 20, Encoding: format.EncodingRaw, Digest: digest.FromBytes(data), Blob: digest.FromBytes(data), BlobSize: 1 << 20}
-	f := New(nil, c, Sources{Fault: fixedSource(data), Read: fixedSource(data)}, &Stats{}, nil)
 	file := &File{Path: "pages.img", Size: lie.Size, Chunks: []format.Chunk{lie}}
 	for _, off := range []int64{0, 2048, 8192} {
 		dest := bytes.Repeat([]byte{0xee}, 4096)
-		if err := f.readChunks(context.Background(), file, dest, off, fixedSource(data)); err == nil {
+		if err := ReadAt(context.Background(), c, file, dest, off, fixedSource(data), &Stats{}); err == nil {
 			t.Errorf("read at %d of a chunk %d bytes long that its table says is %d: no error", off, len(data), lie.Size)
 		}
 	}

@@ -65,6 +65,109 @@ type Options struct {
 	// Progress, if set, is called at each step of the restore, in order,
 	// on Restore's goroutine.
 	Progress func(Event)
+	// Backend is how runsc reads a snapshot the node has not materialized:
+	// BackendFUSE (a lazy FUSE mount), BackendGofer (cryo's checkpoint
+	// gofer reads it into the sandbox's memory: no FUSE, no image dir on
+	// disk) or BackendAuto (the default: the gofer when GoferDir holds one
+	// of the local runsc's gVisor release, else FUSE).
+	Backend Backend
+	// GoferDir holds cryo's checkpointgofer binary; runsc finds it there
+	// through GVISOR_SIDECAR_BINARIES_DIR. Never gVisor's own gvisor-bin
+	// dir beside runsc: there it would replace gVisor's gofer for every
+	// sandbox.
+	GoferDir string
+	// GoferLog, if set, is a file cryo's gofer appends its log to.
+	GoferLog string
+}
+
+// Backend is how runsc reads a snapshot (Options.Backend).
+type Backend string
+
+// Backends.
+const (
+	BackendAuto  Backend = "auto"
+	BackendFUSE  Backend = "fuse"
+	BackendGofer Backend = "gofer"
+)
+
+// GoferBinary is the name of cryo's checkpoint gofer in Options.GoferDir,
+// the name runsc looks for.
+const GoferBinary = "checkpointgofer"
+
+// GoferError is Restore's refusal to use the checkpoint gofer when it was
+// asked for (BackendGofer): the binary is missing, or it is of another
+// gVisor release than runsc.
+type GoferError struct {
+	// Path is the gofer binary looked for.
+	Path string
+	// Release is the gofer's gVisor release (empty if missing), Runsc the
+	// local runsc's.
+	Release, Runsc string
+	// Err says what is wrong.
+	Err error
+}
+
+func (e *GoferError) Error() string {
+	if e.Release != "" {
+		return fmt.Sprintf("checkpoint gofer %s is gVisor release %q, runsc is %q: the gofer protocol is internal to one release (rebuild it with make gofer, or use --backend fuse)", e.Path, e.Release, e.Runsc)
+	}
+	return fmt.Sprintf("checkpoint gofer %s: %v (build it with make gofer, or use --backend fuse)", e.Path, e.Err)
+}
+
+func (e *GoferError) Unwrap() error { return e.Err }
+
+// GoferRelease returns the gVisor release the gofer binary at path was
+// built from (`checkpointgofer --version`).
+func GoferRelease(ctx context.Context, path string) (string, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return "", err
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return "", fmt.Errorf("%s is not an executable file", path)
+	}
+	out, err := exec.CommandContext(ctx, path, "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("%s --version: %w", path, err)
+	}
+	first, _, _ := strings.Cut(string(out), "\n")
+	_, v, ok := strings.Cut(strings.TrimSpace(first), "gVisor release ")
+	if !ok {
+		return "", fmt.Errorf("%s --version printed %q: not cryo's checkpoint gofer", path, first)
+	}
+	return strings.TrimSpace(v), nil
+}
+
+// chooseBackend decides between FUSE and the gofer for a snapshot that
+// is not materialized.
+func chooseBackend(ctx context.Context, opts Options, runsc string) (Backend, error) {
+	switch opts.Backend {
+	case BackendFUSE:
+		return BackendFUSE, nil
+	case "", BackendAuto, BackendGofer:
+	default:
+		return "", fmt.Errorf("restore: backend %q: want auto, fuse or gofer", opts.Backend)
+	}
+	if opts.GoferDir == "" {
+		if opts.Backend == BackendGofer {
+			return "", &GoferError{Path: GoferBinary, Err: errors.New("no gofer dir given")}
+		}
+		return BackendFUSE, nil
+	}
+	path := filepath.Join(opts.GoferDir, GoferBinary)
+	rel, err := GoferRelease(ctx, path)
+	if err == nil && rel != runsc {
+		err = &GoferError{Path: path, Release: rel, Runsc: runsc}
+	} else if err != nil {
+		err = &GoferError{Path: path, Runsc: runsc, Err: err}
+	}
+	if err != nil {
+		if opts.Backend == BackendGofer {
+			return "", err
+		}
+		return BackendFUSE, nil
+	}
+	return BackendGofer, nil
 }
 
 // Step is a point a restore reaches.
@@ -129,7 +232,8 @@ type Result struct {
 	// Snapshot is the snapshot's index digest.
 	Snapshot digest.Digest
 	// Mode is how the image dir was made: "fuse" (a lazy mount, loading
-	// from the registry), "eager" (pulled whole first: no FUSE on the
+	// from the registry), "gofer" (a dir of gcs_opts.json alone: cryo's
+	// checkpoint gofer reads the snapshot into the sandbox), "eager" (pulled whole first: no FUSE on the
 	// node) or "materialized" (the node's local copy, no FUSE).
 	Mode string
 	// Dir is the image dir runsc restored from.
@@ -196,7 +300,8 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 		mountDir = filepath.Join(p.Cache().Root(), "mounts", opts.ContainerID)
 	}
 	// Check before mounting: a refused snapshot fetches no chunk.
-	if err := checkVersion(ctx, src, opts); err != nil {
+	local, err := checkVersion(ctx, src, opts)
+	if err != nil {
 		return nil, err
 	}
 
@@ -211,11 +316,24 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 	if materialized {
 		r.res.Mode = "materialized"
 	} else {
-		var err error
-		if m, err = p.Mount(ctx, src, mountDir); err != nil {
+		backend, err := chooseBackend(ctx, opts, local)
+		if err != nil {
 			return nil, err
 		}
-		defer r.release(m)
+		if backend == BackendGofer {
+			g, err := startGofer(ctx, p, src, mountDir, opts)
+			if err != nil {
+				return nil, err
+			}
+			defer r.releaseGofer(g)
+			m = g.m
+			r.env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+opts.GoferDir)
+		} else {
+			if m, err = p.Mount(ctx, src, mountDir); err != nil {
+				return nil, err
+			}
+			defer r.release(m)
+		}
 		dir = m.Dir()
 		r.res.Mode = m.Progress().Mode
 	}
@@ -257,6 +375,8 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 type run struct {
 	opts Options
 	res  Result
+	// env is runsc restore's environment (nil: cryo's).
+	env []string
 }
 
 // report tells Options.Progress of a step and returns its time.
@@ -278,6 +398,7 @@ func (r *run) runscArgs(args ...string) []string {
 func (r *run) runscRestore(ctx context.Context, dir string) error {
 	args := append(r.runscArgs("restore", "--detach", "--background", "--image-path="+dir), r.opts.RestoreFlags...)
 	rc := exec.CommandContext(ctx, r.opts.Runsc, append(args, r.opts.ContainerID)...)
+	rc.Env = r.env
 	var s stdio
 	var err error
 	if rc.Stdin, err = s.in(r.opts.Stdin); err != nil {
@@ -405,7 +526,7 @@ func RunscVersion(ctx context.Context, runsc string) (string, error) {
 // runsc version than the local one, asking runsc for it (unless
 // opts.RunscVersion says) while it reads the snapshot's index, and only
 // that.
-func checkVersion(ctx context.Context, src puller.Source, opts Options) error {
+func checkVersion(ctx context.Context, src puller.Source, opts Options) (string, error) {
 	type version struct {
 		v   string
 		err error
@@ -420,15 +541,15 @@ func checkVersion(ctx context.Context, src puller.Source, opts Options) error {
 	if vc != nil {
 		lv := <-vc
 		if lv.err != nil {
-			return lv.err
+			return "", lv.err
 		}
 		local = lv.v
 	}
 	if err != nil {
-		return fmt.Errorf("snapshot %s: %w", opts.Name, err)
+		return "", fmt.Errorf("snapshot %s: %w", opts.Name, err)
 	}
 	if v := snap.RunscVersion(); v != "" && v != local {
-		return &VersionError{Snapshot: opts.Name, Checkpointed: v, Local: local}
+		return "", &VersionError{Snapshot: opts.Name, Checkpointed: v, Local: local}
 	}
-	return nil
+	return local, nil
 }

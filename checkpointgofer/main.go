@@ -1,0 +1,198 @@
+// Command checkpointgofer is cryo's gVisor checkpoint gofer: the sidecar
+// runsc starts when the image dir of a restore holds gcs_opts.json, and
+// through which the sentry reads checkpoint.img, pages_meta.img and
+// pages.img straight into the sandbox's memory. It serves the snapshot
+// its gcs_opts.json names (cryo's gofer.Config) from a cryo process on
+// the node (the puller daemon, or the `cryo restore` that started runsc)
+// over that process's file API; or, with no socket in the config, from a
+// puller of its own.
+//
+// It is a module of its own, built from the same gVisor version as runsc
+// (the wire protocol is gVisor's and internal), so that gVisor stays out
+// of cryo's go.mod. Install it in a dir of its own and point runsc at it
+// with GVISOR_SIDECAR_BINARIES_DIR; never as gvisor-bin/checkpointgofer
+// beside runsc, where it would replace gVisor's own gofer for every
+// sandbox.
+//
+// runsc runs it as
+//
+//	runsc-checkpointgofer [runsc global flags] checkpointgofer -sock-fd=3 -gcs-opts-fd=4 -allow-checkpoint-reads
+//
+// with /dev/null for stdio and GVISOR_ENFORCE_RELEASE set. It refuses to
+// serve a runsc of another gVisor release, whatever that variable's
+// policy says. `checkpointgofer --version` prints the release it was
+// built from.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cryo-oci/cryo/puller/gofer"
+	"gvisor.dev/gvisor/pkg/sentry/state/stateipc"
+	"gvisor.dev/gvisor/pkg/unet"
+	"gvisor.dev/gvisor/pkg/urpc"
+	"gvisor.dev/gvisor/runsc/version"
+)
+
+func main() {
+	if len(os.Args) == 2 && (os.Args[1] == "--version" || os.Args[1] == "-version") {
+		fmt.Printf("cryo checkpointgofer, gVisor release %s\n", version.Version())
+		return
+	}
+	if err := run(context.Background(), os.Args[1:]); err != nil {
+		// stderr is /dev/null under runsc: run has logged it where it can.
+		fmt.Fprintln(os.Stderr, "checkpointgofer:", err)
+		os.Exit(1)
+	}
+}
+
+// flags are the gofer's own flags, after the "checkpointgofer" argument.
+type flags struct {
+	sockFD, optsFD                        int
+	checkpointReads, checkpointWrites     bool
+	fsCheckpointReads, fsCheckpointWrites bool
+	// logFD is runsc's --log-fd, if it passed one.
+	logFD int
+}
+
+// parseArgs splits runsc's global flags (ignored, but for --log-fd) from
+// the gofer's own.
+func parseArgs(args []string) (flags, error) {
+	f := flags{sockFD: -1, optsFD: -1, logFD: -1}
+	i := 0
+	for ; i < len(args) && args[i] != "checkpointgofer"; i++ {
+		if v, ok := strings.CutPrefix(strings.TrimLeft(args[i], "-"), "log-fd="); ok {
+			if n, err := strconv.Atoi(v); err == nil {
+				f.logFD = n
+			}
+		}
+	}
+	if i == len(args) {
+		return f, fmt.Errorf("no checkpointgofer subcommand in %q (runsc starts this binary; see --version)", args)
+	}
+	fs := flag.NewFlagSet("checkpointgofer", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.IntVar(&f.sockFD, "sock-fd", -1, "")
+	fs.IntVar(&f.optsFD, "gcs-opts-fd", -1, "")
+	fs.BoolVar(&f.checkpointReads, "allow-checkpoint-reads", false, "")
+	fs.BoolVar(&f.checkpointWrites, "allow-checkpoint-writes", false, "")
+	fs.BoolVar(&f.fsCheckpointReads, "allow-fscheckpoint-reads", false, "")
+	fs.BoolVar(&f.fsCheckpointWrites, "allow-fscheckpoint-writes", false, "")
+	if err := fs.Parse(args[i+1:]); err != nil {
+		return f, fmt.Errorf("checkpointgofer flags: %w", err)
+	}
+	if f.sockFD < 0 || f.optsFD < 0 {
+		return f, fmt.Errorf("checkpointgofer needs -sock-fd and -gcs-opts-fd")
+	}
+	return f, nil
+}
+
+// checkRelease refuses a runsc of another gVisor release. runsc sets
+// GVISOR_ENFORCE_RELEASE to its own label, or by default to "SKIP:label",
+// under which gVisor's own sidecars only log a mismatch; the wire protocol
+// is internal to one release, so this gofer refuses either way.
+func checkRelease(env string) error {
+	want := env
+	for _, p := range []string{"TESTONLY_SKIP", "SKIP"} {
+		if env == p {
+			want = ""
+			break
+		}
+		if v, ok := strings.CutPrefix(env, p+":"); ok {
+			want = v
+			break
+		}
+	}
+	if want == "" {
+		return fmt.Errorf("GVISOR_ENFORCE_RELEASE=%q names no release: cannot check that runsc is of this gofer's release %q (runsc sets it; was the gofer started by hand?)", env, version.Version())
+	}
+	if want != version.Version() {
+		return fmt.Errorf("runsc is gVisor release %q, this checkpoint gofer was built from %q: the gofer protocol is internal to one release; rebuild the gofer (make gofer) from runsc's release", want, version.Version())
+	}
+	return nil
+}
+
+func run(ctx context.Context, args []string) error {
+	f, err := parseArgs(args)
+	if err != nil {
+		return err
+	}
+	logOut := io.Writer(os.Stderr)
+	if f.logFD >= 0 {
+		logOut = os.NewFile(uintptr(f.logFD), "runsc-log")
+	}
+	log := slog.New(slog.NewTextHandler(logOut, nil)).With("component", "cryo-checkpointgofer")
+	cfg, err := gofer.ReadConfig(os.NewFile(uintptr(f.optsFD), gofer.ConfigFile))
+	if err != nil {
+		log.Error("config", "err", err)
+		return err
+	}
+	if cfg.Log != "" {
+		lf, err := os.OpenFile(cfg.Log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+		if err != nil {
+			log.Error("log file", "err", err)
+			return err
+		}
+		defer lf.Close()
+		log = slog.New(slog.NewTextHandler(io.MultiWriter(logOut, lf), nil)).With("component", "cryo-checkpointgofer", "snapshot", cfg.Index)
+	}
+	if err := checkRelease(os.Getenv("GVISOR_ENFORCE_RELEASE")); err != nil {
+		log.Error("release check", "err", err)
+		return err
+	}
+	if f.checkpointWrites || f.fsCheckpointWrites || f.fsCheckpointReads {
+		err := fmt.Errorf("this cryo checkpoint gofer serves restores only (-allow-checkpoint-reads), not %q", args)
+		log.Error("mode", "err", err)
+		return err
+	}
+	src, closeSrc, err := openSource(ctx, cfg, log)
+	if err != nil {
+		log.Error("snapshot source", "err", err)
+		return err
+	}
+	defer closeSrc()
+
+	sock, err := unet.NewSocket(f.sockFD)
+	if err != nil {
+		return fmt.Errorf("gofer socket: %w", err)
+	}
+	impl := &server{ctx: ctx, src: src, log: log, allowReads: f.checkpointReads}
+	afs, err := stateipc.NewAsyncFileServer(impl)
+	if err != nil {
+		return err
+	}
+	srv := urpc.NewServer()
+	srv.Register(afs)
+	start := time.Now()
+	log.Info("serving", "reference", cfg.Reference, "socket", cfg.Socket, "mount", cfg.Mount)
+	// Handle returns when runsc's sentry closes its end: the restore is
+	// over (every page loaded) or failed.
+	err = srv.Handle(sock)
+	srv.Stop(0)
+	log.Info("done", "after", time.Since(start), "bytes", impl.served.Load(), "reads", impl.reads.Load(), "faults", impl.faults.Load(), "end", err)
+	return nil
+}
+
+// openSource returns where the snapshot's bytes come from: the file API
+// of the cryo process the config names, checked to serve the config's
+// snapshot, or a puller of the gofer's own.
+func openSource(ctx context.Context, cfg gofer.Config, log *slog.Logger) (gofer.Source, func(), error) {
+	if cfg.Socket == "" {
+		return openStandalone(ctx, cfg, log)
+	}
+	c := gofer.NewClient(cfg.Socket, cfg.Mount, cfg.Index, 0)
+	c.Logf = func(format string, args ...any) { log.Warn(fmt.Sprintf(format, args...)) }
+	if _, err := c.Size(ctx, "checkpoint.img"); err != nil {
+		c.Close()
+		return nil, nil, fmt.Errorf("mount %s at %s: %w", cfg.Mount, cfg.Socket, err)
+	}
+	return c, c.Close, nil
+}

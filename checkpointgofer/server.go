@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/gofer"
+	"golang.org/x/sys/unix"
+	"gvisor.dev/gvisor/pkg/sentry/memmap"
+	"gvisor.dev/gvisor/pkg/sentry/state/stateio"
+)
+
+// The files a restore reads (gVisor's pkg/sentry/state/checkpointfiles).
+var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": true, "pages.img": true}
+
+// Read sizes and parallelism the gofer offers the sentry. The sentry
+// reads pages.img in pieces of at most maxReadBytes, maxParallel at a
+// time: 1 MiB pieces (cryo's chunk size) 48 at a time keep 48 MiB in
+// flight, more than one 32 MiB mapping window, in as many requests as
+// chunks. The bytes land in the sandbox's memory file, mapped by the
+// stateipc server: the gofer holds no buffer of its own.
+const (
+	maxReadBytes = 1 << 20
+	maxParallel  = 48
+	// sweepWindow: see gofer.Classifier.
+	sweepWindow = 2 * maxParallel * maxReadBytes
+)
+
+// server implements stateipc.AsyncFileServerImpl over a gofer.Source.
+type server struct {
+	ctx        context.Context
+	src        gofer.Source
+	log        *slog.Logger
+	allowReads bool
+
+	reads, faults, served atomic.Int64
+}
+
+// Destroy implements stateipc.AsyncFileServerImpl.Destroy.
+func (s *server) Destroy() {}
+
+// OpenRead implements stateipc.AsyncFileServerImpl.OpenRead.
+func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
+	if !s.allowReads {
+		return nil, fmt.Errorf("cryo checkpoint gofer: reads not allowed (runsc did not pass -allow-checkpoint-reads)")
+	}
+	if !checkpointFiles[path] {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %q is not a checkpoint file", path)
+	}
+	size, err := s.src.Size(s.ctx, path)
+	if err != nil {
+		// pages_meta.img is missing from a checkpoint without a pages
+		// file: the sentry takes any error to mean that.
+		s.log.Info("open", "path", path, "err", err)
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(s.ctx)
+	r := &reader{s: s, path: path, size: size, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
+	if path == "pages.img" {
+		r.classify = &gofer.Classifier{Window: sweepWindow}
+	}
+	s.log.Info("open", "path", path, "size", size)
+	return r, nil
+}
+
+// OpenWrite implements stateipc.AsyncFileServerImpl.OpenWrite.
+func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
+	return nil, fmt.Errorf("cryo checkpoint gofer: %q: writes are not served", path)
+}
+
+// reader is a stateio.AsyncReader of one file of the snapshot. Each read
+// runs in a goroutine of its own, straight into the destination mapping
+// (the sandbox's memory file), and completes only when every byte asked
+// for (clipped at the end of the file) is there and verified.
+type reader struct {
+	stateio.NoRegisterClientFD
+	s        *server
+	path     string
+	size     int64
+	classify *gofer.Classifier
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	done   chan stateio.Completion
+}
+
+var _ stateio.AsyncReader = (*reader)(nil)
+
+// MaxReadBytes implements stateio.AsyncReader.MaxReadBytes.
+func (r *reader) MaxReadBytes() uint64 { return maxReadBytes }
+
+// MaxRanges implements stateio.AsyncReader.MaxRanges: one range per page
+// of a read, as gVisor's own pages file reader offers.
+func (r *reader) MaxRanges() int { return maxReadBytes / unix.Getpagesize() }
+
+// MaxParallel implements stateio.AsyncReader.MaxParallel.
+func (r *reader) MaxParallel() int { return maxParallel }
+
+// AddRead implements stateio.AsyncReader.AddRead.
+func (r *reader) AddRead(id int, off int64, _ stateio.DestinationFile, _ memmap.FileRange, dst []byte) {
+	r.start(id, off, [][]byte{dst})
+}
+
+// AddReadv implements stateio.AsyncReader.AddReadv.
+func (r *reader) AddReadv(id int, off int64, total uint64, _ stateio.DestinationFile, _ []memmap.FileRange, iovecs []unix.Iovec) {
+	dsts := make([][]byte, len(iovecs))
+	for i, iov := range iovecs {
+		dsts[i] = stateio.SliceFromIovec(iov)
+	}
+	r.start(id, off, dsts)
+}
+
+// start reads the file at off into dsts, one after the other, and sends
+// the completion.
+func (r *reader) start(id int, off int64, dsts [][]byte) {
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		r.done <- r.read(id, off, dsts)
+	}()
+}
+
+func (r *reader) read(id int, off int64, dsts [][]byte) stateio.Completion {
+	total := int64(0)
+	for _, d := range dsts {
+		total += int64(len(d))
+	}
+	prio := fetch.Read
+	if r.classify != nil {
+		prio = r.classify.Classify(off, total)
+	}
+	r.s.reads.Add(1)
+	if prio == fetch.Fault {
+		r.s.faults.Add(1)
+	}
+	var n uint64
+	for _, d := range dsts {
+		if off >= r.size {
+			return stateio.Completion{ID: id, N: n, Err: io.EOF}
+		}
+		want := d[:min(int64(len(d)), r.size-off)]
+		if err := r.s.src.ReadAt(r.ctx, r.path, want, off, prio); err != nil {
+			if !errors.Is(err, context.Canceled) {
+				r.s.log.Error("read failed: the sandbox will stop", "path", r.path, "off", off, "len", len(want), "err", err)
+			}
+			return stateio.Completion{ID: id, N: n, Err: unix.EIO}
+		}
+		n += uint64(len(want))
+		r.s.served.Add(int64(len(want)))
+		off += int64(len(want))
+		if len(want) < len(d) {
+			return stateio.Completion{ID: id, N: n, Err: io.EOF}
+		}
+	}
+	return stateio.Completion{ID: id, N: n}
+}
+
+// Wait implements stateio.AsyncReader.Wait.
+func (r *reader) Wait(cs []stateio.Completion, minCompletions int) ([]stateio.Completion, error) {
+	return stateio.CompletionChanWait(r.done, cs, minCompletions)
+}
+
+// Close implements stateio.AsyncReader.Close: it cancels the reads in
+// flight and waits for them.
+func (r *reader) Close() error {
+	r.cancel()
+	go func() {
+		for range r.done {
+		}
+	}()
+	r.wg.Wait()
+	close(r.done)
+	return nil
+}

@@ -1,0 +1,60 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/gofer"
+)
+
+// openStandalone serves the snapshot from a puller in the gofer's own
+// process, for nodes without a cryo daemon: it resolves the config's
+// reference with the node's credentials (Docker's credential store, as
+// `cryo pull` does; a config never carries any), refuses a tag that now
+// names another snapshot than the config's index, and fetches into a
+// private node cache of its own under cfg.CacheDir, removed when the gofer
+// exits. A private cache, because a node cache serves one process: run
+// the puller daemon to share one between sandboxes.
+func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (gofer.Source, func(), error) {
+	parent := cfg.CacheDir
+	if parent == "" {
+		parent = os.TempDir()
+	}
+	if err := os.MkdirAll(parent, 0o700); err != nil {
+		return nil, nil, fmt.Errorf("gofer cache: %w", err)
+	}
+	dir, err := os.MkdirTemp(parent, "cryo-gofer-")
+	if err != nil {
+		return nil, nil, fmt.Errorf("gofer cache: %w", err)
+	}
+	fail := func(err error) (gofer.Source, func(), error) {
+		os.RemoveAll(dir)
+		return nil, nil, err
+	}
+	src, err := puller.Resolve(ctx, cfg.Reference, puller.ResolveOptions{})
+	if err != nil {
+		return fail(fmt.Errorf("resolve %s: %w", cfg.Reference, err))
+	}
+	if src.Index.Digest != cfg.Index {
+		return fail(fmt.Errorf("%s now names snapshot %s, the gofer's config names %s: refusing to serve another snapshot", cfg.Reference, src.Index.Digest, cfg.Index))
+	}
+	p, err := puller.New(puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log})
+	if err != nil {
+		return fail(err)
+	}
+	m, err := p.MountFiles(ctx, src, filepath.Join(dir, "mount"))
+	if err != nil {
+		p.Close()
+		return fail(err)
+	}
+	log.Info("standalone", "cache", dir)
+	return gofer.Local(m), func() {
+		m.Unmount()
+		p.Close()
+		os.RemoveAll(dir)
+	}, nil
+}

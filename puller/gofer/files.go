@@ -1,0 +1,362 @@
+package gofer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/opencontainers/go-digest"
+)
+
+// The file API, served on a cryo process's unix socket:
+//
+//	GET  /v1/mounts/{id}/files/{path}   Range: bytes=A-B   -> 206, the bytes
+//	HEAD /v1/mounts/{id}/files/{path}                      -> 200, Content-Length
+//
+// Every response carries SnapshotHeader, the mount's index digest. A
+// request says in PriorityHeader whether a sandbox waits on it ("fault")
+// or it is the background sweep ("read", the default). A GET's bytes are
+// written only once all of them are read and verified: a response cut
+// short is a connection lost, never a wrong byte.
+const (
+	SnapshotHeader = "Cryo-Snapshot"
+	PriorityHeader = "Cryo-Priority"
+)
+
+// MaxRange bounds the bytes one GET asks for: what the server holds in
+// memory for a request.
+const MaxRange = 16 << 20
+
+// Files is a mounted snapshot's files as a presenter reads them
+// (puller.Mount implements it).
+type Files interface {
+	// FileSize returns the size of the file at path, if the snapshot has
+	// one.
+	FileSize(path string) (int64, bool)
+	// ReadAt fills p with the file's verified bytes at off (within the
+	// file), fetched at priority prio if not local.
+	ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error
+}
+
+// Lookup finds the files of a mount by id, and the mount's index digest.
+type Lookup func(id string) (Files, digest.Digest, bool)
+
+// RegisterFiles adds the file API to mux.
+func RegisterFiles(mux *http.ServeMux, lookup Lookup) {
+	h := func(w http.ResponseWriter, r *http.Request) { serveFile(w, r, lookup) }
+	mux.HandleFunc("GET /v1/mounts/{id}/files/{path...}", h)
+	mux.HandleFunc("HEAD /v1/mounts/{id}/files/{path...}", h)
+}
+
+func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup) {
+	files, d, ok := lookup(r.PathValue("id"))
+	if !ok {
+		http.Error(w, "no mount "+r.PathValue("id"), http.StatusNotFound)
+		return
+	}
+	w.Header().Set(SnapshotHeader, d.String())
+	path := r.PathValue("path")
+	size, ok := files.FileSize(path)
+	if !ok {
+		http.Error(w, fmt.Sprintf("snapshot %s has no file %q", d, path), http.StatusNotFound)
+		return
+	}
+	if r.Method == http.MethodHead {
+		w.Header().Set("Content-Length", strconv.FormatInt(size, 10))
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	start, end, err := parseRange(r.Header.Get("Range"), size)
+	if err != nil {
+		w.Header().Set("Content-Range", "bytes */"+strconv.FormatInt(size, 10))
+		http.Error(w, err.Error(), http.StatusRequestedRangeNotSatisfiable)
+		return
+	}
+	prio := fetch.Read
+	switch p := r.Header.Get(PriorityHeader); p {
+	case "", "read":
+	case "fault":
+		prio = fetch.Fault
+	default:
+		http.Error(w, fmt.Sprintf("%s %q: want fault or read", PriorityHeader, p), http.StatusBadRequest)
+		return
+	}
+	buf := make([]byte, end-start)
+	// A sandbox's read must not fail because its reader went away and came
+	// back: the fetch scheduler's deadline bounds the wait, not the request.
+	if err := files.ReadAt(context.WithoutCancel(r.Context()), path, buf, start, prio); err != nil {
+		http.Error(w, err.Error(), http.StatusBadGateway)
+		return
+	}
+	w.Header().Set("Content-Length", strconv.Itoa(len(buf)))
+	w.Header().Set("Content-Range", fmt.Sprintf("bytes %d-%d/%d", start, end-1, size))
+	w.WriteHeader(http.StatusPartialContent)
+	w.Write(buf)
+}
+
+// parseRange parses "bytes=A-B" (one range, both ends given) against a
+// file of size bytes, clipping B to the file's end, and returns [A, B+1).
+func parseRange(h string, size int64) (start, end int64, err error) {
+	spec, ok := strings.CutPrefix(h, "bytes=")
+	a, b, ok2 := strings.Cut(spec, "-")
+	if !ok || !ok2 {
+		return 0, 0, fmt.Errorf("range %q: want bytes=START-END", h)
+	}
+	start, err1 := strconv.ParseInt(a, 10, 64)
+	last, err2 := strconv.ParseInt(b, 10, 64)
+	if err1 != nil || err2 != nil || start < 0 || last < start {
+		return 0, 0, fmt.Errorf("range %q: want bytes=START-END", h)
+	}
+	if start >= size {
+		return 0, 0, fmt.Errorf("range %q starts past the file's %d bytes", h, size)
+	}
+	end = min(last+1, size)
+	if end-start > MaxRange {
+		return 0, 0, fmt.Errorf("range %q is over %d bytes", h, MaxRange)
+	}
+	return start, end, nil
+}
+
+// Client reads a mount's files over the file API. It is safe for
+// concurrent use.
+type Client struct {
+	http     *http.Client
+	base     string
+	index    digest.Digest
+	deadline time.Duration
+	// Logf, if set, gets a line per retried request.
+	Logf func(format string, args ...any)
+
+	mu    sync.Mutex
+	sizes map[string]int64
+}
+
+// DefaultDeadline is how long Client.ReadAt keeps trying a range before it
+// fails it (a failed read kills the sandbox): as long as the puller's own
+// fetch deadline.
+const DefaultDeadline = 5 * time.Minute
+
+// NewClient returns a Client of mount id on the unix socket, that serves
+// snapshot index only. deadline bounds each read's retries (0:
+// DefaultDeadline).
+func NewClient(socket, id string, index digest.Digest, deadline time.Duration) *Client {
+	if deadline <= 0 {
+		deadline = DefaultDeadline
+	}
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", socket)
+		},
+		MaxIdleConnsPerHost: 256,
+		DisableCompression:  true,
+	}
+	return &Client{
+		http:     &http.Client{Transport: tr},
+		base:     "http://cryo/v1/mounts/" + url.PathEscape(id) + "/files/",
+		index:    index,
+		deadline: deadline,
+		sizes:    map[string]int64{},
+	}
+}
+
+// Close closes idle connections.
+func (c *Client) Close() { c.http.CloseIdleConnections() }
+
+// Size returns the size of the snapshot's file path, retrying lost
+// connections until the deadline; os.ErrNotExist if the snapshot has no
+// such file. It fails at once if the mount serves another snapshot than
+// the client's.
+func (c *Client) Size(ctx context.Context, path string) (int64, error) {
+	c.mu.Lock()
+	n, ok := c.sizes[path]
+	c.mu.Unlock()
+	if ok {
+		return n, nil
+	}
+	var size int64
+	err := c.retry(ctx, path, func() (bool, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodHead, c.base+path, nil)
+		if err != nil {
+			return false, err
+		}
+		resp, err := c.http.Do(req)
+		if err != nil {
+			return true, err
+		}
+		resp.Body.Close()
+		if err := c.check(resp, http.StatusOK); err != nil {
+			return resp.StatusCode >= 500, err
+		}
+		size = resp.ContentLength
+		return false, nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	c.mu.Lock()
+	c.sizes[path] = size
+	c.mu.Unlock()
+	return size, nil
+}
+
+// ReadAt fills p with the file's bytes at off, which must lie within
+// the file. A lost connection or a server error is retried, from the
+// first byte not yet read, until the client's deadline: bytes arrive only
+// once the server verified them, so what is read is kept.
+func (c *Client) ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error {
+	done := 0
+	return c.retry(ctx, path, func() (bool, error) {
+		for done < len(p) {
+			part := p[done:min(len(p), done+MaxRange)]
+			n, retry, err := c.get(ctx, path, part, off+int64(done), prio)
+			done += n
+			if err != nil {
+				return retry, err
+			}
+		}
+		return false, nil
+	})
+}
+
+// Source is what a gofer reads a snapshot's files from: a cryo process's
+// file API (Client), or a mount in the gofer's own process (Local).
+type Source interface {
+	// Size returns the size of the file at path (os.ErrNotExist if the
+	// snapshot has none).
+	Size(ctx context.Context, path string) (int64, error)
+	// ReadAt fills p with the file's verified bytes at off, within the
+	// file.
+	ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error
+}
+
+var (
+	_ Source = (*Client)(nil)
+	_ Source = local{}
+)
+
+// Local returns the Source of files in this process.
+func Local(f Files) Source { return local{f} }
+
+type local struct{ f Files }
+
+func (l local) Size(ctx context.Context, path string) (int64, error) {
+	if n, ok := l.f.FileSize(path); ok {
+		return n, nil
+	}
+	return 0, fmt.Errorf("%s: %w", path, os.ErrNotExist)
+}
+
+func (l local) ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error {
+	return l.f.ReadAt(ctx, path, p, off, prio)
+}
+
+// get reads part at off with one GET; it returns how many bytes it read
+// and whether an error is worth retrying.
+func (c *Client) get(ctx context.Context, path string, part []byte, off int64, prio fetch.Priority) (int, bool, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+path, nil)
+	if err != nil {
+		return 0, false, err
+	}
+	req.Header.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+int64(len(part))-1))
+	if prio == fetch.Fault {
+		req.Header.Set(PriorityHeader, "fault")
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return 0, true, err
+	}
+	defer resp.Body.Close()
+	if err := c.check(resp, http.StatusPartialContent); err != nil {
+		return 0, resp.StatusCode >= 500, err
+	}
+	if resp.ContentLength != int64(len(part)) {
+		return 0, false, fmt.Errorf("%s: %d bytes at %d asked, %d answered", path, len(part), off, resp.ContentLength)
+	}
+	n, err := io.ReadFull(resp.Body, part)
+	if err != nil {
+		return n, true, fmt.Errorf("%s at %d: %w", path, off, err)
+	}
+	return n, false, nil
+}
+
+// check refuses a response of the wrong status or of another snapshot.
+func (c *Client) check(resp *http.Response, want int) error {
+	if got := resp.Header.Get(SnapshotHeader); got != "" && got != c.index.String() {
+		return fmt.Errorf("mount serves snapshot %s, the gofer's config names %s", got, c.index)
+	}
+	if resp.StatusCode == http.StatusNotFound && resp.Header.Get(SnapshotHeader) != "" {
+		return os.ErrNotExist
+	}
+	if resp.StatusCode != want {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return fmt.Errorf("file API: %s: %s", resp.Status, strings.TrimSpace(string(msg)))
+	}
+	if resp.Header.Get(SnapshotHeader) == "" {
+		return fmt.Errorf("file API: response without %s", SnapshotHeader)
+	}
+	return nil
+}
+
+// retry runs op until it succeeds, fails for good (retry false), or the
+// deadline passes, backing off between tries.
+func (c *Client) retry(ctx context.Context, path string, op func() (retry bool, err error)) error {
+	give := time.Now().Add(c.deadline)
+	wait := 20 * time.Millisecond
+	for try := 1; ; try++ {
+		retry, err := op()
+		if err == nil {
+			return nil
+		}
+		if !retry || time.Now().Add(wait).After(give) || ctx.Err() != nil {
+			return err
+		}
+		if c.Logf != nil {
+			c.Logf("%s: try %d failed, again in %s: %v", path, try, wait, err)
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
+// Classifier tells the reads of pages.img a sandbox waits on (gVisor's
+// priority reads: the mapping windows around page faults, up to 32 MiB
+// each, anywhere in the file) from its background sweep, which reads
+// ascending offsets with many reads in flight. A read within Window of
+// the sweep's frontier (the end of the last sweep read) is the sweep's
+// and moves the frontier; any other is a fault. A fault next to the
+// frontier is taken for the sweep; that costs nothing, as the sweep's
+// next chunks are fetched first anyway.
+type Classifier struct {
+	// Window is how far from the frontier a read still counts as the
+	// sweep's: the bytes the sweep keeps in flight, and more.
+	Window int64
+
+	mu       sync.Mutex
+	frontier int64
+}
+
+// Classify returns the priority of a read of n bytes at off.
+func (c *Classifier) Classify(off, n int64) fetch.Priority {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if off+n < c.frontier-c.Window || off > c.frontier+c.Window {
+		return fetch.Fault
+	}
+	c.frontier = max(c.frontier, off+n)
+	return fetch.Read
+}

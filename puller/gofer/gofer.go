@@ -1,0 +1,158 @@
+// Package gofer is the node side of cryo's gVisor checkpoint gofer, the
+// sidecar runsc starts when an image dir holds gcs_opts.json, through
+// which the sentry reads checkpoint.img, pages_meta.img and pages.img
+// straight into the sandbox's memory: no FUSE mount, no image dir on disk.
+//
+// The gofer binary (module checkpointgofer, built from the same gVisor
+// version as runsc) is thin: it asks a cryo process on the node (the
+// puller daemon, or the `cryo restore` that started runsc) for verified
+// byte ranges over a unix socket, so that the node keeps one cache, one
+// fetch scheduler and one set of credentials. This package holds what
+// both sides share and none of gVisor:
+//
+//   - Config, the gcs_opts.json cryo writes (WriteImageDir) and the gofer
+//     reads (ReadConfig);
+//   - RegisterFiles, the HTTP file API a cryo process serves for its
+//     mounts, and Client, which the gofer reads it with;
+//   - Classifier, which tells the sentry's page-fault reads from its
+//     background sweep.
+package gofer
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"github.com/opencontainers/go-digest"
+)
+
+// ConfigFile is the file whose presence in an image dir makes runsc start
+// the checkpoint gofer (runsc/sandbox/sandbox.go,
+// checkpointGCSOptsFileName); runsc hands it to the gofer unread.
+const ConfigFile = "gcs_opts.json"
+
+// MediaType marks a ConfigFile as cryo's. gVisor's own gofer reads a file
+// of the same name with other fields; cryo's gofer refuses anything not
+// marked so.
+const MediaType = "application/vnd.cryo.gofer.v1+json"
+
+// MaxConfigSize bounds a ConfigFile.
+const MaxConfigSize = 64 << 10
+
+// Config is the content of ConfigFile: which snapshot the gofer serves and
+// where it gets its bytes. It carries no credentials: a standalone gofer
+// uses the node's.
+type Config struct {
+	// MediaType is MediaType.
+	MediaType string `json:"mediaType"`
+	// Reference names the snapshot (host/repo:tag or @digest), for logs and
+	// for a standalone gofer to resolve.
+	Reference string `json:"reference"`
+	// Index is the snapshot's index digest. The gofer serves that snapshot
+	// only: a mount or a resolved tag with another digest is refused.
+	Index digest.Digest `json:"index"`
+	// Socket is the cryo process serving the file API (unix socket path),
+	// and Mount the mount id there. Both set, or neither (a standalone
+	// gofer, which fetches itself).
+	Socket string `json:"socket,omitempty"`
+	Mount  string `json:"mount,omitempty"`
+	// Log, if set, is a file the gofer appends its log lines to (runsc
+	// gives the gofer /dev/null for stdio).
+	Log string `json:"log,omitempty"`
+	// CacheDir is a standalone gofer's node cache (default
+	// /var/lib/cryo/cache).
+	CacheDir string `json:"cacheDir,omitempty"`
+}
+
+// Validate checks a Config.
+func (c Config) Validate() error {
+	if c.MediaType != MediaType {
+		return fmt.Errorf("%s: mediaType %q, want %q (not a cryo gofer config: gVisor's own GCS gofer reads files of that name too)", ConfigFile, c.MediaType, MediaType)
+	}
+	if err := c.Index.Validate(); err != nil {
+		return fmt.Errorf("%s: index %q: %w", ConfigFile, c.Index, err)
+	}
+	if (c.Socket == "") != (c.Mount == "") {
+		return fmt.Errorf("%s: socket and mount go together (socket %q, mount %q)", ConfigFile, c.Socket, c.Mount)
+	}
+	if c.Socket == "" && c.Reference == "" {
+		return fmt.Errorf("%s: no socket and no reference: nothing to read the snapshot from", ConfigFile)
+	}
+	for name, p := range map[string]string{"socket": c.Socket, "log": c.Log, "cacheDir": c.CacheDir} {
+		if p != "" && !filepath.IsAbs(p) {
+			return fmt.Errorf("%s: %s %q is not an absolute path", ConfigFile, name, p)
+		}
+	}
+	return nil
+}
+
+// ReadConfig reads and validates a ConfigFile. Keys must be exact and
+// known: a misspelt one is an error, not a default.
+func ReadConfig(r io.Reader) (Config, error) {
+	data, err := io.ReadAll(io.LimitReader(r, MaxConfigSize+1))
+	if err != nil {
+		return Config{}, fmt.Errorf("read %s: %w", ConfigFile, err)
+	}
+	if len(data) > MaxConfigSize {
+		return Config{}, fmt.Errorf("%s is over %d bytes", ConfigFile, MaxConfigSize)
+	}
+	var c Config
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		return Config{}, fmt.Errorf("parse %s: %w", ConfigFile, err)
+	}
+	if dec.More() {
+		return Config{}, fmt.Errorf("parse %s: data after the JSON object", ConfigFile)
+	}
+	return c, c.Validate()
+}
+
+// WriteImageDir makes dir (created 0700 if missing) an image dir for runsc
+// restore --image-path or runsc checkpoint --image-path whose files the
+// gofer serves: it writes ConfigFile (0600) and flushes it and the dir, so
+// that a runsc started after WriteImageDir returns finds it.
+func WriteImageDir(dir string, c Config) error {
+	if err := c.Validate(); err != nil {
+		return err
+	}
+	data, err := json.Marshal(c)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("gofer image dir: %w", err)
+	}
+	p := filepath.Join(dir, ConfigFile)
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return fmt.Errorf("gofer image dir: %w", err)
+	}
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = syncDir(dir)
+	}
+	if err != nil {
+		os.Remove(p)
+		return fmt.Errorf("write %s: %w", p, err)
+	}
+	return nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
