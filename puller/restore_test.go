@@ -42,6 +42,8 @@ type restoreEnv struct {
 	reg          *testenv.Registry
 	cacheDir     string
 	dockerConfig string
+	// backend, if set, is cryo restore's --backend.
+	backend string
 }
 
 func newRestoreEnv(t *testing.T) *restoreEnv {
@@ -97,6 +99,9 @@ func (e *restoreEnv) push(t *testing.T, img, ref string) string {
 // runsc flags and bundle, and runsc as given.
 func (e *restoreEnv) restoreCommand(ctx context.Context, app *gvisortest.App, runsc, ref string) *exec.Cmd {
 	args := []string{"restore", "--cache", e.cacheDir, "--runsc", runsc}
+	if e.backend != "" {
+		args = append(args, "--backend="+e.backend)
+	}
 	for _, f := range app.Flags() {
 		args = append(args, "--runsc-flag="+f)
 	}
@@ -269,13 +274,14 @@ func cryoLines(out string) string {
 }
 
 // TestRestoreThroughCryo checkpoints a 64 MiB app, pushes it and restores it
-// twice with `cryo restore` on the same node cache: first through a FUSE
-// mount, fetching from the registry, then from the materialized copy the
+// twice with `cryo restore --backend fuse` on the same node cache: first
+// through a FUSE mount, fetching from the registry, then from the materialized copy the
 // first restore left, fetching nothing. Each time the app must go on from
 // the checkpoint with its memory intact. A plain `runsc restore` from the
 // local image dir gives the baseline time.
 func TestRestoreThroughCryo(t *testing.T) {
 	e := newRestoreEnv(t)
+	e.backend = "fuse"
 	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 64})
 	c1, c2 := app.NextCount(t), app.NextCount(t)
 	if c2 != c1+1 {

@@ -1,13 +1,18 @@
 package restore_test
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/gvisortest"
+	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/restore"
 )
@@ -68,4 +73,127 @@ func TestRestoreThroughGofer(t *testing.T) {
 		t.Errorf("not materialized after the restore: %v", res.MaterializeErr)
 	}
 	t.Logf("ready %v, restored %v, pages loaded %v, materialized %v", res.Ready, res.Restored, res.PagesLoaded, res.Materialized)
+}
+
+// TestGoferRestoreFailsOverCorruptChunk restores through the gofer from
+// two registries holding the same snapshot, the first (tried first)
+// serving a corrupt copy of one pages.img chunk: the chunk fails
+// verification, is fetched from the second, and the app goes on with its
+// memory hash unchanged: no wrong page reached it.
+func TestGoferRestoreFailsOverCorruptChunk(t *testing.T) {
+	e := newEnv(t)
+	goferDir := gvisortest.GoferDir(t)
+	second := testenv.StartRegistry(t, "")
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
+	app.NextCount(t)
+	img := app.Checkpoint(t)
+	last := app.LastCount()
+	ref := e.reg.Addr + "/app:corrupt"
+	d := e.push(t, img, ref)
+	if d2 := e.push(t, img, second.Addr+"/app:corrupt"); d2 != d {
+		t.Fatalf("same image pushed as %s and %s", d, d2)
+	}
+
+	var log fetchLog
+	src := resolve(t, ref, &log)
+	src.Endpoints = append(src.Endpoints, resolve(t, second.Addr+"/app:corrupt", &log).Endpoints...)
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, src.Endpoints[0].Store, src.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pt, err := format.LoadPart(ctx, src.Endpoints[0].Store, snap.File("pages.img"), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var bad format.Chunk
+	for _, c := range pt.Table.Chunks {
+		if c.Encoding != format.EncodingZero {
+			bad = c
+		}
+	}
+	if bad.Blob == "" {
+		t.Fatal("pages.img has no stored chunk")
+	}
+	blob := filepath.Join(e.reg.Root, distlayout.BlobDataPath(bad.Blob))
+	data, err := os.ReadFile(blob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[len(data)/2] ^= 0xff
+	if err := os.WriteFile(blob, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var events []restore.Event
+	opts := options(e, app, &events)
+	opts.Backend, opts.GoferDir = restore.BackendGofer, goferDir
+	opts.Stdout, opts.Stderr = containerOutput(t, app)
+	res := e.restoreApp(t, p, src, opts, app, last)
+	if res.Mode != "gofer" {
+		t.Errorf("mode %q, want gofer", res.Mode)
+	}
+	n := 0
+	for _, got := range log.digests() {
+		if got == bad.Blob {
+			n++
+		}
+	}
+	if n < 2 {
+		t.Errorf("the corrupt chunk's blob %s was fetched %d times, want from both registries", bad.Blob, n)
+	}
+}
+
+// TestGoferRestoreSurvivesRegistryRestart kills the registry as soon as
+// the gofer image dir is ready (before runsc reads any page) and starts
+// it again a second later: the sandbox's reads wait instead of failing,
+// and the app goes on with its memory hash unchanged.
+func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
+	e := newEnv(t)
+	goferDir := gvisortest.GoferDir(t)
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
+	app.NextCount(t)
+	img := app.Checkpoint(t)
+	last := app.LastCount()
+	ref := e.reg.Addr + "/app:restart"
+	e.push(t, img, ref)
+
+	var log fetchLog
+	src := resolve(t, ref, &log)
+	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	var events []restore.Event
+	opts := options(e, app, &events)
+	opts.Backend, opts.GoferDir = restore.BackendGofer, goferDir
+	opts.Stdout, opts.Stderr = containerOutput(t, app)
+	restarted := make(chan struct{})
+	fetchedBefore := 0
+	opts.Progress = func(ev restore.Event) {
+		events = append(events, ev)
+		if ev.Step == restore.Ready {
+			fetchedBefore = len(log.digests())
+			e.reg.Stop()
+			time.AfterFunc(time.Second, func() {
+				defer close(restarted)
+				e.reg.Start(t)
+			})
+		}
+	}
+	res := e.restoreApp(t, p, src, opts, app, last)
+	<-restarted
+	if res.Mode != "gofer" {
+		t.Errorf("mode %q, want gofer", res.Mode)
+	}
+	if len(log.digests()) <= fetchedBefore {
+		t.Error("nothing fetched after the registry was killed: the test did not test the outage")
+	}
+	t.Logf("restored %v, pages loaded %v after a registry restart", res.Restored, res.PagesLoaded)
 }
