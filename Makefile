@@ -18,14 +18,19 @@ DEMO_SIZE  ?= 268435456
 # on a busy machine without any finding (go.dev/issue/75804, fixed in 1.27).
 FUZZTIME   ?= 500000x
 
-.PHONY: all build runsc deps lint test test-go test-charts conformance fuzz bench bench-restore bench-load demo demo-format clean
+.PHONY: all build gofer runsc deps lint test test-go test-charts conformance fuzz bench bench-restore bench-load demo demo-format clean
 
 all: build
 
-build:
+build: gofer
 	$(GO) build -o $(CRYO) ./cmd/cryo
 
-runsc:
+# cryo's gVisor checkpoint gofer (module checkpointgofer, same gVisor as
+# runsc) into bin/cryo-gofer/, where cryo restore finds it beside bin/cryo.
+gofer:
+	scripts/build-gofer.sh
+
+runsc: gofer
 	scripts/build-runsc.sh
 
 deps:
@@ -36,6 +41,7 @@ lint: deps
 	$(GO) vet ./...
 	$(BIN)/staticcheck ./...
 	cd charts/test && $(GO) vet ./... && $(BIN)/staticcheck ./...
+	cd checkpointgofer && $(GO) vet ./... && $(BIN)/staticcheck ./...
 
 # Tests that need root, FUSE or runsc skip with a printed reason on a laptop
 # and fail instead of skipping when CI=true. The library (everything that
@@ -45,6 +51,7 @@ lint: deps
 RACE_PKGS  := ./format/... ./transfer/... ./registry/... ./puller/... ./internal/...
 test-go: build
 	$(GO) test -race -count=1 $(RACE_PKGS)
+	cd checkpointgofer && $(GO) test -race -count=1 ./...
 	$(GO) test -count=1 $$($(GO) list ./... | grep -v -E '/cryo/(format|transfer|registry|puller|internal)(/|$$)')
 
 conformance: build deps

@@ -2,6 +2,7 @@ package restore_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
@@ -196,4 +197,63 @@ func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 		t.Error("nothing fetched after the registry was killed: the test did not test the outage")
 	}
 	t.Logf("restored %v, pages loaded %v after a registry restart", res.Restored, res.PagesLoaded)
+}
+
+// TestRestoreRefusesGoferOfOtherRelease gives Restore a gofer dir whose
+// checkpointgofer is of another gVisor release than runsc. Asked for the
+// gofer, Restore refuses with a *GoferError naming both releases, having
+// mounted nothing and run no runsc restore; with the default backend
+// (auto) it restores through FUSE instead.
+func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
+	e := newEnv(t)
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 16})
+	app.NextCount(t)
+	img := app.Checkpoint(t)
+	last := app.LastCount()
+	ref := e.reg.Addr + "/app:other-gofer"
+	e.push(t, img, ref)
+	const other = "release-20990101.0"
+	goferDir := t.TempDir()
+	fake := "#!/bin/sh\necho 'cryo checkpointgofer, gVisor release " + other + "'\n"
+	if err := os.WriteFile(filepath.Join(goferDir, restore.GoferBinary), []byte(fake), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+
+	wrapper, calls := gvisortest.NoRestoreRunsc(t, e.runsc)
+	var events []restore.Event
+	opts := options(e, app, &events)
+	opts.Runsc, opts.Backend, opts.GoferDir = wrapper, restore.BackendGofer, goferDir
+	ctx, cancel := context.WithTimeout(context.Background(), restoreTimeout)
+	defer cancel()
+	_, err = restore.Restore(ctx, p, resolve(t, ref, &fetchLog{}), opts)
+	var ge *restore.GoferError
+	if !errors.As(err, &ge) {
+		t.Fatalf("Restore with a gofer of release %s: %v, want a *GoferError", other, err)
+	}
+	local := gvisortest.RunscVersion(t, e.runsc)
+	for _, v := range []string{other, local} {
+		if !strings.Contains(err.Error(), v) {
+			t.Errorf("error %q does not name release %q", err, v)
+		}
+	}
+	if len(events) != 0 {
+		t.Errorf("refused restore reported steps %v", steps(events))
+	}
+	if called, _ := os.ReadFile(calls); strings.Contains(string(called), "restore") {
+		t.Errorf("runsc restore ran: %s", called)
+	}
+
+	events = nil
+	opts = options(e, app, &events)
+	opts.Backend, opts.GoferDir = restore.BackendAuto, goferDir
+	opts.Stdout, opts.Stderr = containerOutput(t, app)
+	res := e.restoreApp(t, p, resolve(t, ref, &fetchLog{}), opts, app, last)
+	if res.Mode != "fuse" {
+		t.Errorf("auto with a gofer of another release: mode %q, want fuse", res.Mode)
+	}
 }

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/cryo-oci/cryo/puller/gofer"
+	"golang.org/x/sys/unix"
+	"gvisor.dev/gvisor/runsc/version"
+)
+
+func TestCheckRelease(t *testing.T) {
+	self := version.Version()
+	for _, tc := range []struct {
+		env string
+		ok  bool
+	}{
+		{self, true},
+		{"SKIP:" + self, true},
+		{"TESTONLY_SKIP:" + self, true},
+		// runsc's default policy passes SKIP:<its label>: a mismatch under
+		// it must be refused too, not logged.
+		{"SKIP:release-20990101.0", false},
+		{"release-20990101.0", false},
+		{"SKIP", false},
+		{"", false},
+	} {
+		err := checkRelease(tc.env)
+		if (err == nil) != tc.ok {
+			t.Errorf("GVISOR_ENFORCE_RELEASE=%q: error %v, want ok=%v", tc.env, err, tc.ok)
+		}
+		if err != nil && strings.HasPrefix(tc.env, "release-") && !strings.Contains(err.Error(), tc.env) {
+			t.Errorf("GVISOR_ENFORCE_RELEASE=%q: error %q does not name runsc's release", tc.env, err)
+		}
+	}
+}
+
+func TestParseArgs(t *testing.T) {
+	f, err := parseArgs(strings.Fields("--root=/run/runsc --log-fd=7 --platform=systrap checkpointgofer -sock-fd=3 -gcs-opts-fd=4 -allow-checkpoint-reads"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.sockFD != 3 || f.optsFD != 4 || !f.checkpointReads || f.checkpointWrites || f.logFD != 7 {
+		t.Errorf("parsed %+v", f)
+	}
+	for _, bad := range []string{"--root=/x", "checkpointgofer -sock-fd=3", "checkpointgofer -sock-fd=3 -gcs-opts-fd=4 -bogus"} {
+		if _, err := parseArgs(strings.Fields(bad)); err == nil {
+			t.Errorf("args %q: no error", bad)
+		}
+	}
+}
+
+// TestBinaryRefusesOtherRelease builds the gofer as make gofer does, with a
+// release label, and starts it as runsc would, but with
+// GVISOR_ENFORCE_RELEASE=SKIP:<another release> (runsc's default policy):
+// it must exit non-zero without serving, naming both releases in the log
+// file its config names.
+func TestBinaryRefusesOtherRelease(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "checkpointgofer")
+	build := exec.Command("go", "build", "-ldflags", "-X gvisor.dev/gvisor/runsc/version.version=release-20260101.0", "-o", bin, ".")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	if out, err := exec.Command(bin, "--version").Output(); err != nil || !strings.Contains(string(out), "gVisor release release-20260101.0") {
+		t.Fatalf("--version: %q, %v", out, err)
+	}
+	dir := t.TempDir()
+	logFile := filepath.Join(dir, "gofer.log")
+	cfgPath := filepath.Join(dir, gofer.ConfigFile)
+	cfg := `{"mediaType":"` + gofer.MediaType + `","reference":"r/app:v1","index":"sha256:` + strings.Repeat("a", 64) + `","socket":"/nonexistent.sock","mount":"m","log":"` + logFile + `"}`
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfgFile, err := os.Open(cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cfgFile.Close()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := os.NewFile(uintptr(fds[1]), "sock")
+	defer sock.Close()
+	defer unix.Close(fds[0])
+	cmd := exec.Command(bin, strings.Fields("--root=/run/runsc checkpointgofer -sock-fd=3 -gcs-opts-fd=4 -allow-checkpoint-reads")...)
+	cmd.Args[0] = "runsc-checkpointgofer"
+	cmd.ExtraFiles = []*os.File{sock, cfgFile}
+	cmd.Env = append(os.Environ(), "GVISOR_ENFORCE_RELEASE=SKIP:release-20990101.0")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err == nil {
+		t.Fatal("the gofer served a runsc of another release")
+	}
+	logged, _ := os.ReadFile(logFile)
+	for _, rel := range []string{"release-20990101.0", "release-20260101.0"} {
+		if !strings.Contains(string(logged), rel) {
+			t.Errorf("the gofer's log does not name release %s:\n%s\nstderr: %s", rel, logged, stderr.String())
+		}
+	}
+}
