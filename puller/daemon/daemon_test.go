@@ -1,10 +1,15 @@
 package daemon
 
 import (
+	"errors"
+	"time"
+
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/opencontainers/go-digest"
 	"io"
 	"log/slog"
 	"net"
@@ -77,12 +82,13 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 		opts.MountsDir = filepath.Join(t.TempDir(), "mounts")
 	}
 	opts.Logger, opts.Registerer, opts.Gatherer = slog.Default(), reg, reg
+	sock := filepath.Join(t.TempDir(), "puller.sock")
+	opts.Socket = sock
 	d, err := New(p, resolve, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(d.Close)
-	sock := filepath.Join(t.TempDir(), "puller.sock")
 	ln, err := Listen(sock, -1)
 	if err != nil {
 		t.Fatal(err)
@@ -366,4 +372,76 @@ func TestSocketModes(t *testing.T) {
 			t.Fatal("Listen removed a regular file")
 		}
 	})
+}
+
+// TestGoferMount asks the daemon for a gofer mount: its dir holds
+// gcs_opts.json alone (0600), naming the daemon's socket, the mount and
+// the snapshot, and the file API serves the snapshot's bytes to a
+// gofer.Client of that config, at either priority; a client expecting
+// another snapshot is refused, and so are ranges past the file.
+func TestGoferMount(t *testing.T) {
+	td := newTestDaemon(t, Options{})
+	var m Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "backend": "gofer"}`, http.StatusCreated), &m)
+	if m.Mode != "gofer" {
+		t.Fatalf("mount: %+v", m)
+	}
+	ents, _ := os.ReadDir(m.Dir)
+	if len(ents) != 1 || ents[0].Name() != gofer.ConfigFile {
+		t.Fatalf("gofer mount dir holds %v, want %s alone", ents, gofer.ConfigFile)
+	}
+	if fi, _ := ents[0].Info(); fi.Mode().Perm() != 0o600 {
+		t.Errorf("%s is %v, want 0600", gofer.ConfigFile, fi.Mode())
+	}
+	f, err := os.Open(filepath.Join(m.Dir, gofer.ConfigFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := gofer.ReadConfig(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Socket != td.sock || cfg.Mount != m.ID || cfg.Index != m.Digest || cfg.Reference != td.ref {
+		t.Fatalf("config %+v for mount %+v", cfg, m)
+	}
+	ctx := context.Background()
+	c := gofer.NewClient(cfg.Socket, cfg.Mount, cfg.Index, 5*time.Second)
+	defer c.Close()
+	want, _ := os.ReadFile(filepath.Join(td.img, "pages.img"))
+	size, err := c.Size(ctx, "pages.img")
+	if err != nil || size != int64(len(want)) {
+		t.Fatalf("size %d, %v; want %d", size, err, len(want))
+	}
+	got := make([]byte, len(want))
+	// The first half as faults, 3 MiB at a time, the rest as reads.
+	for off := 0; off < len(got); off += 3 << 20 {
+		prio := fetch.Fault
+		if off >= len(got)/2 {
+			prio = fetch.Read
+		}
+		end := min(off+3<<20, len(got))
+		if err := c.ReadAt(ctx, "pages.img", got[off:end], int64(off), prio); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("pages.img through the file API differs")
+	}
+	if _, err := c.Size(ctx, "nope.img"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("size of a missing file: %v, want ErrNotExist", err)
+	}
+	if err := c.ReadAt(ctx, "pages.img", make([]byte, 10), int64(len(want)), fetch.Read); err == nil {
+		t.Error("read past the end: no error")
+	}
+	other := gofer.NewClient(cfg.Socket, cfg.Mount, digest.FromString("another snapshot"), time.Second)
+	defer other.Close()
+	if _, err := other.Size(ctx, "pages.img"); err == nil || !strings.Contains(err.Error(), "serves snapshot") {
+		t.Errorf("client of another snapshot: %v, want a refusal", err)
+	}
+	td.call(t, "DELETE", "/v1/mounts/"+m.ID, "", http.StatusNoContent)
+	if _, err := os.Stat(m.Dir); !os.IsNotExist(err) {
+		t.Errorf("gofer mount dir %s left after unmount: %v", m.Dir, err)
+	}
+	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "backend": "nfs"}`, http.StatusBadRequest)
 }

@@ -89,6 +89,9 @@ func (c Config) Validate() error {
 	return nil
 }
 
+// configKeys are Config's JSON keys, exactly.
+var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true}
+
 // ReadConfig reads and validates a ConfigFile. Keys must be exact and
 // known: a misspelt one is an error, not a default.
 func ReadConfig(r io.Reader) (Config, error) {
@@ -98,6 +101,11 @@ func ReadConfig(r io.Reader) (Config, error) {
 	}
 	if len(data) > MaxConfigSize {
 		return Config{}, fmt.Errorf("%s is over %d bytes", ConfigFile, MaxConfigSize)
+	}
+	// encoding/json matches keys case-insensitively and keeps the last of
+	// duplicates: check the keys as written first.
+	if err := checkKeys(data); err != nil {
+		return Config{}, fmt.Errorf("parse %s: %w", ConfigFile, err)
 	}
 	var c Config
 	dec := json.NewDecoder(bytes.NewReader(data))
@@ -109,6 +117,35 @@ func ReadConfig(r io.Reader) (Config, error) {
 		return Config{}, fmt.Errorf("parse %s: data after the JSON object", ConfigFile)
 	}
 	return c, c.Validate()
+}
+
+// checkKeys checks that data is one JSON object whose keys are Config's,
+// exactly as spelt, each at most once.
+func checkKeys(data []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return fmt.Errorf("not a JSON object")
+	}
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		k, _ := tok.(string)
+		if !configKeys[k] {
+			return fmt.Errorf("unknown key %q", k)
+		}
+		if seen[k] {
+			return fmt.Errorf("key %q twice", k)
+		}
+		seen[k] = true
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // WriteImageDir makes dir (created 0700 if missing) an image dir for runsc

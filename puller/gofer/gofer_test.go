@@ -1,0 +1,168 @@
+package gofer
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/opencontainers/go-digest"
+)
+
+var testIndex = digest.FromString("snapshot")
+
+func TestConfigRoundTripAndRefusals(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "img")
+	good := Config{MediaType: MediaType, Reference: "r/app:v1", Index: testIndex, Socket: "/run/cryo/puller.sock", Mount: "m1"}
+	if err := WriteImageDir(dir, good); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(filepath.Join(dir, ConfigFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got, err := ReadConfig(f)
+	if err != nil || got != good {
+		t.Fatalf("read back %+v, %v; wrote %+v", got, err, good)
+	}
+	if err := WriteImageDir(dir, good); err == nil {
+		t.Error("WriteImageDir over an existing config: no error")
+	}
+	valid := `"mediaType":"` + MediaType + `","index":"` + testIndex.String() + `"`
+	for name, body := range map[string]string{
+		"gVisor's own":      `{"bucket":"b","prefix":"p"}`,
+		"unknown key":       `{` + valid + `,"reference":"r","sockett":"/s"}`,
+		"key of other case": `{` + valid + `,"Reference":"r"}`,
+		"key twice":         `{` + valid + `,"reference":"r","reference":"s"}`,
+		"bad index":         `{"mediaType":"` + MediaType + `","index":"sha256:1","reference":"r"}`,
+		"socket alone":      `{` + valid + `,"socket":"/s"}`,
+		"nothing to read":   `{` + valid + `}`,
+		"relative socket":   `{` + valid + `,"socket":"s.sock","mount":"m"}`,
+		"two objects":       `{` + valid + `,"reference":"r"}{}`,
+		"oversized":         `{` + valid + `,"reference":"` + strings.Repeat("r", MaxConfigSize) + `"}`,
+	} {
+		if _, err := ReadConfig(strings.NewReader(body)); err == nil {
+			t.Errorf("%s: %s accepted", name, body[:min(len(body), 80)])
+		}
+	}
+}
+
+func TestParseRange(t *testing.T) {
+	for _, tc := range []struct {
+		h          string
+		start, end int64
+		ok         bool
+	}{
+		{"bytes=0-9", 0, 10, true},
+		{"bytes=90-200", 90, 100, true}, // clipped at the end
+		{"bytes=100-200", 0, 0, false},  // past the end
+		{"bytes=5-4", 0, 0, false},
+		{"bytes=-5", 0, 0, false},
+		{"bytes=0-", 0, 0, false},
+		{"items=0-1", 0, 0, false},
+		{"", 0, 0, false},
+	} {
+		start, end, err := parseRange(tc.h, 100)
+		if (err == nil) != tc.ok || (tc.ok && (start != tc.start || end != tc.end)) {
+			t.Errorf("%q: [%d, %d) %v; want [%d, %d) ok=%v", tc.h, start, end, err, tc.start, tc.end, tc.ok)
+		}
+	}
+	if _, _, err := parseRange(fmt.Sprintf("bytes=0-%d", MaxRange), 1<<40); err == nil {
+		t.Error("a range over MaxRange accepted")
+	}
+}
+
+func TestClassifier(t *testing.T) {
+	c := Classifier{Window: 8 << 20}
+	mib := int64(1 << 20)
+	for i, tc := range []struct {
+		off  int64
+		want fetch.Priority
+	}{
+		{0, fetch.Read},          // the sweep starts
+		{1 * mib, fetch.Read},    // and goes on
+		{500 * mib, fetch.Fault}, // a fault far ahead
+		{2 * mib, fetch.Read},    // the sweep again: the fault did not move it
+		{9 * mib, fetch.Read},    // a jump within the window (past loaded pages)
+		{40 * mib, fetch.Fault},  // beyond it
+		{0, fetch.Fault},         // far behind the frontier
+	} {
+		if got := c.Classify(tc.off, mib); got != tc.want {
+			t.Errorf("read %d at %d MiB: %v, want %v", i, tc.off/mib, got, tc.want)
+		}
+	}
+}
+
+// TestClientResumesCutResponses serves a file whose first GET is cut off
+// halfway (the connection dropped) and whose second answers 502: the
+// client keeps the bytes it got, asks for the rest, and returns the whole
+// range right.
+func TestClientResumesCutResponses(t *testing.T) {
+	data := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
+	var mu sync.Mutex
+	var ranges []string
+	h := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set(SnapshotHeader, testIndex.String())
+		if r.Method == http.MethodHead {
+			w.Header().Set("Content-Length", fmt.Sprint(len(data)))
+			return
+		}
+		mu.Lock()
+		ranges = append(ranges, r.Header.Get("Range"))
+		n := len(ranges)
+		mu.Unlock()
+		start, end, err := parseRange(r.Header.Get("Range"), int64(len(data)))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusRequestedRangeNotSatisfiable)
+			return
+		}
+		switch n {
+		case 1: // half the bytes, then the connection goes
+			w.Header().Set("Content-Length", fmt.Sprint(end-start))
+			w.WriteHeader(http.StatusPartialContent)
+			w.Write(data[start : start+(end-start)/2])
+			w.(http.Flusher).Flush()
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close()
+		case 2:
+			http.Error(w, "fetch failed", http.StatusBadGateway)
+		default:
+			w.Header().Set("Content-Length", fmt.Sprint(end-start))
+			w.WriteHeader(http.StatusPartialContent)
+			w.Write(data[start:end])
+		}
+	}
+	sock := filepath.Join(t.TempDir(), "s")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(h)}
+	go srv.Serve(ln)
+	defer srv.Close()
+	c := NewClient(sock, "m", testIndex, 30*time.Second)
+	defer c.Close()
+	got := make([]byte, len(data)-4096)
+	if err := c.ReadAt(context.Background(), "pages.img", got, 4096, fetch.Fault); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data[4096:]) {
+		t.Fatal("bytes differ")
+	}
+	half := 4096 + (len(data)-4096)/2
+	want := []string{fmt.Sprintf("bytes=4096-%d", len(data)-1), fmt.Sprintf("bytes=%d-%d", half, len(data)-1), fmt.Sprintf("bytes=%d-%d", half, len(data)-1)}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(ranges) != fmt.Sprint(want) {
+		t.Errorf("ranges asked %v, want %v (resume after the bytes already read)", ranges, want)
+	}
+}
