@@ -601,3 +601,80 @@ func TestUnpackRefusesCorruptBlob(t *testing.T) {
 		t.Fatalf("verify: %v", err)
 	}
 }
+
+// TestPackerStreamsGiveThePackedSnapshot adds an image dir's files to a
+// Packer as streams, all at once from pipes written in small pieces (as a
+// checkpoint gofer gets them from the sentry), and checks that the index
+// is the one Pack writes for the dir: same digest, so same tables, chunks
+// and annotations (checkpoint.img's header read from its stream). Adding a
+// file twice, or finishing while one is still being added, fails.
+func TestPackerStreamsGiveThePackedSnapshot(t *testing.T) {
+	ctx := context.Background()
+	src := makeImageDir(t)
+	_, want, _ := packToLayout(t, src, PackOptions{})
+	files, err := listFiles(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := memory.New()
+	pk, err := NewPacker(store, PackOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pk.Close()
+	var wg sync.WaitGroup
+	errs := make(chan error, 2*len(files))
+	for _, f := range files {
+		data, err := os.ReadFile(filepath.Join(src, filepath.FromSlash(f.path)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pr, pw := io.Pipe()
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			for len(data) > 0 {
+				n := min(len(data), 64<<10+17)
+				pw.Write(data[:n])
+				data = data[n:]
+			}
+			pw.Close()
+		}()
+		go func() {
+			defer wg.Done()
+			if _, err := pk.AddFile(ctx, f.path, f.mode, pr); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if _, err := pk.AddFile(ctx, files[0].path, 0o644, strings.NewReader("again")); !errors.Is(err, ErrInvalid) {
+		t.Errorf("a file added twice: %v", err)
+	}
+	got, st, err := pk.Finish(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Digest != want.Digest || st.Files != len(files) {
+		t.Fatalf("streamed snapshot %s (%d files), packed %s (%d)", got.Digest, st.Files, want.Digest, len(files))
+	}
+
+	pk2, _ := NewPacker(memory.New(), PackOptions{})
+	defer pk2.Close()
+	pr, pw := io.Pipe()
+	started := make(chan struct{})
+	go func() {
+		pw.Write([]byte("some"))
+		close(started)
+	}()
+	go pk2.AddFile(ctx, "pages.img", 0o644, pr)
+	<-started
+	if _, _, err := pk2.Finish(ctx); err == nil {
+		t.Error("Finish with a file still being added: no error")
+	}
+	pw.CloseWithError(errors.New("gone"))
+}

@@ -99,39 +99,186 @@ type PackStats struct {
 // already has are not pushed again. Pack reads each file once and keeps at
 // most a few chunks per worker in memory.
 func Pack(ctx context.Context, dir string, dst content.Storage, opts PackOptions) (ocispec.Descriptor, *PackStats, error) {
-	p, err := newPacker(dst, opts)
-	if err != nil {
-		return ocispec.Descriptor{}, nil, err
-	}
-	defer p.codec.Close()
 	files, err := listFiles(dir)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, err
 	}
-	annotations, err := snapshotAnnotations(dir, files, opts.Created)
+	md, err := readMetadata(dir, files)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, err
 	}
+	pk, err := NewPacker(dst, opts)
+	if err != nil {
+		return ocispec.Descriptor{}, nil, err
+	}
+	defer pk.Close()
+	for _, f := range files {
+		if err := pk.addFromDir(ctx, dir, f); err != nil {
+			return ocispec.Descriptor{}, nil, err
+		}
+	}
+	pk.metadata = md
+	return pk.Finish(ctx)
+}
+
+// Packer packs an image dir given as streams, one per file, straight into
+// a store: what a checkpoint gofer does while the sentry writes the files,
+// with no copy of them on disk. Files may be added concurrently; Finish
+// pushes the snapshot index once every file is in. A Packer that is never
+// finished leaves blobs and manifests in the store but no index: no
+// snapshot.
+type Packer struct {
+	p *packer
+
+	mu       sync.Mutex
+	files    map[string][]ocispec.Descriptor
+	metadata map[string]string
+	finished bool
+}
+
+// NewPacker returns a Packer into dst. Call Close when done with it.
+func NewPacker(dst content.Storage, opts PackOptions) (*Packer, error) {
+	p, err := newPacker(dst, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Packer{p: p, files: map[string][]ocispec.Descriptor{}}, nil
+}
+
+// Close releases the Packer's encoders.
+func (pk *Packer) Close() { pk.p.codec.Close() }
+
+// MaxHeader bounds the bytes of checkpoint.img a Packer keeps to read its
+// header (the snapshot's annotations) from.
+const MaxHeader = 4 << 20
+
+// AddFile packs the file at path (slash-separated, relative) with mode
+// from r, read to its end, and returns its size. A checkpoint.img's header
+// gives the snapshot's annotations, as Pack reads them.
+func (pk *Packer) AddFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error) {
+	if err := ValidatePath(path); err != nil {
+		return 0, fmt.Errorf("%s: %v: %w", path, err, ErrUnsupported)
+	}
+	pk.mu.Lock()
+	_, dup := pk.files[path]
+	if !dup {
+		if len(pk.files) >= MaxFiles {
+			pk.mu.Unlock()
+			return 0, fmt.Errorf("more than %d files: %w", MaxFiles, ErrTooLarge)
+		}
+		pk.files[path] = nil
+	}
+	pk.mu.Unlock()
+	if dup {
+		return 0, fmt.Errorf("%s added twice: %w", path, ErrInvalid)
+	}
+	var head *headBuffer
+	if path == CheckpointFile {
+		head = &headBuffer{max: MaxHeader}
+		r = io.TeeReader(r, head)
+	}
+	descs, size, err := pk.p.packStream(ctx, fileEntry{path: path, mode: mode.Perm()}, r)
+	if err != nil {
+		return 0, err
+	}
+	var md map[string]string
+	if head != nil {
+		md, err = statefile.ReadMetadata(bytes.NewReader(head.b))
+		if errors.Is(err, statefile.ErrNotStateFile) {
+			md, err = nil, nil // not a gVisor checkpoint: packed as any file
+		}
+		if err != nil {
+			return 0, fmt.Errorf("%s: %w", CheckpointFile, err)
+		}
+	}
+	pk.mu.Lock()
+	defer pk.mu.Unlock()
+	pk.files[path] = descs
+	if head != nil {
+		pk.metadata = md
+	}
+	return size, nil
+}
+
+// addFromDir packs file f of the image dir dir.
+func (pk *Packer) addFromDir(ctx context.Context, dir string, f fileEntry) error {
+	fh, err := os.OpenFile(filepath.Join(dir, filepath.FromSlash(f.path)), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", f.path, err)
+	}
+	defer fh.Close()
+	st, err := fh.Stat()
+	if err != nil {
+		return fmt.Errorf("stat %s: %w", f.path, err)
+	}
+	if !st.Mode().IsRegular() {
+		return fmt.Errorf("%s is no longer a regular file: %w", f.path, ErrUnsupported)
+	}
+	descs, size, err := pk.p.packStream(ctx, f, fh)
+	if err != nil {
+		return err
+	}
+	if size != st.Size() {
+		return fmt.Errorf("pack %s: read %d bytes but the file has %d: it changed while packing", f.path, size, st.Size())
+	}
+	pk.mu.Lock()
+	pk.files[f.path] = descs
+	pk.mu.Unlock()
+	return nil
+}
+
+// Finish pushes the snapshot index over every file added (in path order)
+// and returns its descriptor. It fails if a file is still being added.
+func (pk *Packer) Finish(ctx context.Context) (ocispec.Descriptor, *PackStats, error) {
+	pk.mu.Lock()
+	defer pk.mu.Unlock()
+	if pk.finished {
+		return ocispec.Descriptor{}, nil, errors.New("packer finished twice")
+	}
+	if len(pk.files) == 0 {
+		return ocispec.Descriptor{}, nil, fmt.Errorf("no files: %w", ErrInvalid)
+	}
+	paths := make([]string, 0, len(pk.files))
+	for path, descs := range pk.files {
+		if descs == nil {
+			return ocispec.Descriptor{}, nil, fmt.Errorf("%s is still being packed", path)
+		}
+		paths = append(paths, path)
+	}
+	sort.Strings(paths)
 	idx := ocispec.Index{
 		Versioned:    specsVersioned,
 		MediaType:    ocispec.MediaTypeImageIndex,
 		ArtifactType: ArtifactTypeSnapshot,
 		Manifests:    []ocispec.Descriptor{},
-		Annotations:  annotations,
+		Annotations:  snapshotAnnotations(pk.metadata, pk.p.opts.Created),
 	}
-	for _, f := range files {
-		descs, err := p.packFile(ctx, dir, f)
-		if err != nil {
-			return ocispec.Descriptor{}, nil, err
-		}
-		idx.Manifests = append(idx.Manifests, descs...)
+	for _, path := range paths {
+		idx.Manifests = append(idx.Manifests, pk.files[path]...)
 	}
-	desc, err := p.pushJSON(ctx, ocispec.MediaTypeImageIndex, ArtifactTypeSnapshot, idx)
+	desc, err := pk.p.pushJSON(ctx, ocispec.MediaTypeImageIndex, ArtifactTypeSnapshot, idx)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, fmt.Errorf("push snapshot index: %w", err)
 	}
-	p.stats.Files = len(files)
-	return desc, &p.stats, nil
+	pk.finished = true
+	pk.p.mu.Lock()
+	defer pk.p.mu.Unlock()
+	st := pk.p.stats
+	st.Files = len(paths)
+	return desc, &st, nil
+}
+
+// headBuffer keeps the first max bytes written to it.
+type headBuffer struct {
+	b   []byte
+	max int
+}
+
+func (h *headBuffer) Write(p []byte) (int, error) {
+	if room := h.max - len(h.b); room > 0 {
+		h.b = append(h.b, p[:min(len(p), room)]...)
+	}
+	return len(p), nil
 }
 
 // specsVersioned is the schemaVersion every OCI manifest and index carries.
@@ -231,10 +378,9 @@ func listFiles(dir string) ([]fileEntry, error) {
 	return files, nil
 }
 
-// snapshotAnnotations reads checkpoint.img's header, if there is one, and
-// returns the index annotations.
-func snapshotAnnotations(dir string, files []fileEntry, created time.Time) (map[string]string, error) {
-	a := map[string]string{}
+// readMetadata reads checkpoint.img's header in dir, if files has one
+// and it is a gVisor state file.
+func readMetadata(dir string, files []fileEntry) (map[string]string, error) {
 	for _, f := range files {
 		if f.path != CheckpointFile {
 			continue
@@ -246,31 +392,39 @@ func snapshotAnnotations(dir string, files []fileEntry, created time.Time) (map[
 		md, err := statefile.ReadMetadata(fh)
 		fh.Close()
 		if errors.Is(err, statefile.ErrNotStateFile) {
-			break // not a gVisor checkpoint: pack it as any file
+			return nil, nil // not a gVisor checkpoint: pack it as any file
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", CheckpointFile, err)
 		}
-		for key, ann := range map[string]string{
-			statefile.KeyRunscVersion:   AnnotationRunscVersion,
-			statefile.KeyTimestamp:      AnnotationRunscTimestamp,
-			statefile.KeyContainerCount: AnnotationContainerCount,
-		} {
-			if v, ok := md[key]; ok {
-				a[ann] = v
-			}
+		return md, nil
+	}
+	return nil, nil
+}
+
+// snapshotAnnotations returns the index annotations from checkpoint.img's
+// header metadata md (nil if none).
+func snapshotAnnotations(md map[string]string, created time.Time) map[string]string {
+	a := map[string]string{}
+	for key, ann := range map[string]string{
+		statefile.KeyRunscVersion:   AnnotationRunscVersion,
+		statefile.KeyTimestamp:      AnnotationRunscTimestamp,
+		statefile.KeyContainerCount: AnnotationContainerCount,
+	} {
+		if v, ok := md[key]; ok {
+			a[ann] = v
 		}
-		if created.IsZero() {
-			created, _ = ParseRunscTimestamp(md[statefile.KeyTimestamp])
-		}
+	}
+	if created.IsZero() && md != nil {
+		created, _ = ParseRunscTimestamp(md[statefile.KeyTimestamp])
 	}
 	if !created.IsZero() {
 		a[AnnotationCreated] = created.UTC().Format(time.RFC3339Nano)
 	}
 	if len(a) == 0 {
-		return nil, nil
+		return nil
 	}
-	return a, nil
+	return a
 }
 
 // ParseRunscTimestamp parses the _timestamp runsc writes into checkpoint.img
@@ -289,24 +443,13 @@ type packResult struct {
 	chunk Chunk
 }
 
-// packFile chunks, encodes and stores one file and returns the descriptors
-// of its part manifests, annotated for the index.
-func (p *packer) packFile(ctx context.Context, dir string, f fileEntry) ([]ocispec.Descriptor, error) {
-	fh, err := os.OpenFile(filepath.Join(dir, filepath.FromSlash(f.path)), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+// packStream chunks, encodes and stores one file read from r, and returns
+// the descriptors of its part manifests, annotated for the index, and its
+// size.
+func (p *packer) packStream(ctx context.Context, f fileEntry, r io.Reader) ([]ocispec.Descriptor, int64, error) {
+	ck, err := chunker.New(r, p.opts.Chunking)
 	if err != nil {
-		return nil, fmt.Errorf("open %s: %w", f.path, err)
-	}
-	defer fh.Close()
-	st, err := fh.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("stat %s: %w", f.path, err)
-	}
-	if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s is no longer a regular file: %w", f.path, ErrUnsupported)
-	}
-	ck, err := chunker.New(fh, p.opts.Chunking)
-	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	fileHash := sha256.New()
 	var chunks []Chunk
@@ -340,10 +483,7 @@ func (p *packer) packFile(ctx context.Context, dir string, f fileEntry) ([]ocisp
 		return nil
 	}
 	if err := ordered.Map(ctx, p.opts.Concurrency, 2*p.opts.Concurrency+2, produce, work, sink); err != nil {
-		return nil, fmt.Errorf("pack %s: %w", f.path, err)
-	}
-	if size != st.Size() {
-		return nil, fmt.Errorf("pack %s: read %d bytes but the file has %d: it changed while packing", f.path, size, st.Size())
+		return nil, 0, fmt.Errorf("pack %s: %w", f.path, err)
 	}
 	p.mu.Lock()
 	p.stats.LogicalBytes += size
@@ -351,7 +491,8 @@ func (p *packer) packFile(ctx context.Context, dir string, f fileEntry) ([]ocisp
 		p.stats.Chunks[c.Encoding]++
 	}
 	p.mu.Unlock()
-	return p.pushParts(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
+	descs, err := p.pushParts(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
+	return descs, size, err
 }
 
 // storeChunk encodes data and pushes its blob unless dst has it.

@@ -13,9 +13,9 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/gvisortest"
 	"github.com/cryo-oci/cryo/internal/testenv"
-	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/restore"
+	"github.com/cryo-oci/cryo/registry/distlayout"
 )
 
 // TestRestoreThroughGofer restores a checkpointed app through cryo's
