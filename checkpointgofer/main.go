@@ -148,23 +148,34 @@ func run(ctx context.Context, args []string) error {
 		log.Error("release check", "err", err)
 		return err
 	}
-	if f.checkpointWrites || f.fsCheckpointWrites || f.fsCheckpointReads {
-		err := fmt.Errorf("this cryo checkpoint gofer serves restores only (-allow-checkpoint-reads), not %q", args)
+	impl := &server{ctx: ctx, log: log}
+	switch {
+	case f.fsCheckpointReads || f.fsCheckpointWrites:
+		err := fmt.Errorf("cryo's checkpoint gofer serves checkpoints and restores, not filesystem checkpoints (%q)", args)
 		log.Error("mode", "err", err)
 		return err
-	}
-	src, closeSrc, err := openSource(ctx, cfg, log)
-	if err != nil {
-		log.Error("snapshot source", "err", err)
+	case cfg.Checkpoint && f.checkpointWrites:
+		c := gofer.NewClient(cfg.Socket, cfg.Mount, "", 0)
+		defer c.Close()
+		impl.uploads = c
+	case cfg.Checkpoint || f.checkpointWrites:
+		err := fmt.Errorf("runsc asks for a %s, the image dir's %s is for a %s", mode(f.checkpointWrites), gofer.ConfigFile, mode(cfg.Checkpoint))
+		log.Error("mode", "err", err)
 		return err
+	default:
+		src, closeSrc, err := openSource(ctx, cfg, log)
+		if err != nil {
+			log.Error("snapshot source", "err", err)
+			return err
+		}
+		defer closeSrc()
+		impl.src, impl.allowReads = src, f.checkpointReads
 	}
-	defer closeSrc()
 
 	sock, err := unet.NewSocket(f.sockFD)
 	if err != nil {
 		return fmt.Errorf("gofer socket: %w", err)
 	}
-	impl := &server{ctx: ctx, src: src, log: log, allowReads: f.checkpointReads}
 	afs, err := stateipc.NewAsyncFileServer(impl)
 	if err != nil {
 		return err
@@ -177,8 +188,16 @@ func run(ctx context.Context, args []string) error {
 	// over (every page loaded) or failed.
 	err = srv.Handle(sock)
 	srv.Stop(0)
-	log.Info("done", "after", time.Since(start), "bytes", impl.served.Load(), "reads", impl.reads.Load(), "faults", impl.faults.Load(), "end", err)
+	log.Info("done", "after", time.Since(start), "bytes", impl.served.Load(), "reads", impl.reads.Load(), "faults", impl.faults.Load(), "written", impl.written.Load(), "end", err)
 	return nil
+}
+
+// mode names what a checkpoint gofer is asked for.
+func mode(checkpoint bool) string {
+	if checkpoint {
+		return "checkpoint"
+	}
+	return "restore"
 }
 
 // openSource returns where the snapshot's bytes come from: the file API

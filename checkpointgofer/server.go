@@ -32,14 +32,17 @@ const (
 	sweepWindow = 2 * maxParallel * maxReadBytes
 )
 
-// server implements stateipc.AsyncFileServerImpl over a gofer.Source.
+// server implements stateipc.AsyncFileServerImpl: reads from a
+// gofer.Source (a restore), or writes to a cryo process's upload API (a
+// checkpoint).
 type server struct {
 	ctx        context.Context
-	src        gofer.Source
 	log        *slog.Logger
+	src        gofer.Source
 	allowReads bool
+	uploads    *gofer.Client
 
-	reads, faults, served atomic.Int64
+	reads, faults, served, written atomic.Int64
 }
 
 // Destroy implements stateipc.AsyncFileServerImpl.Destroy.
@@ -71,7 +74,17 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 
 // OpenWrite implements stateipc.AsyncFileServerImpl.OpenWrite.
 func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
-	return nil, fmt.Errorf("cryo checkpoint gofer: %q: writes are not served", path)
+	if s.uploads == nil {
+		return nil, fmt.Errorf("cryo checkpoint gofer: writes not allowed (runsc did not pass -allow-checkpoint-writes)")
+	}
+	if !checkpointFiles[path] {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %q is not a checkpoint file", path)
+	}
+	s.log.Info("open for writing", "path", path)
+	w := &writer{s: s, path: path, up: s.uploads.Upload(s.ctx, path),
+		queue: make(chan writeJob, maxParallel), done: make(chan stateio.Completion, maxParallel), stopped: make(chan struct{})}
+	go w.run()
+	return w, nil
 }
 
 // reader is a stateio.AsyncReader of one file of the snapshot. Each read
@@ -177,5 +190,117 @@ func (r *reader) Close() error {
 	}()
 	r.wg.Wait()
 	close(r.done)
+	return nil
+}
+
+// writer is a stateio.AsyncWriter of one file of a checkpoint: the
+// sentry's appending writes are streamed, in the order they were added,
+// to the upload API, where the file is packed and pushed as it comes. A
+// write completes once its bytes are handed to the connection (the
+// sentry may then reuse its memory); Finalize completes once the file is
+// packed. Nothing is buffered here beyond the socket's own buffers.
+type writer struct {
+	stateio.NoRegisterClientFD
+	s    *server
+	path string
+	up   *gofer.Upload
+
+	queue   chan writeJob
+	done    chan stateio.Completion
+	stopped chan struct{}
+	failed  atomic.Bool
+}
+
+var _ stateio.AsyncWriter = (*writer)(nil)
+
+type writeJob struct {
+	id   int
+	srcs [][]byte
+}
+
+// MaxWriteBytes implements stateio.AsyncWriter.MaxWriteBytes.
+func (w *writer) MaxWriteBytes() uint64 { return maxReadBytes }
+
+// MaxRanges implements stateio.AsyncWriter.MaxRanges.
+func (w *writer) MaxRanges() int { return maxReadBytes / unix.Getpagesize() }
+
+// MaxParallel implements stateio.AsyncWriter.MaxParallel.
+func (w *writer) MaxParallel() int { return maxParallel }
+
+// AddWrite implements stateio.AsyncWriter.AddWrite.
+func (w *writer) AddWrite(id int, _ stateio.SourceFile, _ memmap.FileRange, src []byte) {
+	w.queue <- writeJob{id: id, srcs: [][]byte{src}}
+}
+
+// AddWritev implements stateio.AsyncWriter.AddWritev.
+func (w *writer) AddWritev(id int, total uint64, _ stateio.SourceFile, _ []memmap.FileRange, iovecs []unix.Iovec) {
+	srcs := make([][]byte, len(iovecs))
+	for i, iov := range iovecs {
+		srcs[i] = stateio.SliceFromIovec(iov)
+	}
+	w.queue <- writeJob{id: id, srcs: srcs}
+}
+
+// run streams the queued writes in order.
+func (w *writer) run() {
+	defer close(w.stopped)
+	for j := range w.queue {
+		var n uint64
+		var err error
+		for _, b := range j.srcs {
+			if w.failed.Load() {
+				err = unix.EIO
+				break
+			}
+			if _, err = w.up.Write(b); err != nil {
+				w.s.log.Error("write failed: the checkpoint fails", "path", w.path, "err", err)
+				w.failed.Store(true)
+				err = unix.EIO
+				break
+			}
+			n += uint64(len(b))
+		}
+		w.s.written.Add(int64(n))
+		w.done <- stateio.Completion{ID: j.id, N: n, Err: err}
+	}
+}
+
+// Wait implements stateio.AsyncWriter.Wait.
+func (w *writer) Wait(cs []stateio.Completion, minCompletions int) ([]stateio.Completion, error) {
+	return stateio.CompletionChanWait(w.done, cs, minCompletions)
+}
+
+// Reserve implements stateio.AsyncWriter.Reserve: the upload needs no
+// room reserved.
+func (w *writer) Reserve(n uint64) {}
+
+// Finalize implements stateio.AsyncWriter.Finalize: it ends the file and
+// waits until cryo has packed it.
+func (w *writer) Finalize() error {
+	close(w.queue)
+	<-w.stopped
+	w.queue = nil
+	n, err := w.up.Finish()
+	if err != nil {
+		w.s.log.Error("finalize failed: the checkpoint fails", "path", w.path, "err", err)
+		return err
+	}
+	w.s.log.Info("written", "path", w.path, "size", n)
+	return nil
+}
+
+// Close implements stateio.AsyncWriter.Close. A file not finalized is
+// aborted: cryo drops it, and the snapshot is never tagged.
+func (w *writer) Close() error {
+	if w.queue != nil {
+		close(w.queue)
+		go func() {
+			for range w.done {
+			}
+		}()
+		<-w.stopped
+		w.up.Abort(errors.New("the sentry closed the file before finalizing it"))
+		close(w.done)
+	}
 	return nil
 }

@@ -3,6 +3,7 @@ package transfer
 import (
 	"context"
 	"fmt"
+	"io"
 	"io/fs"
 	"path/filepath"
 	"time"
@@ -60,6 +61,70 @@ func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, 
 	}
 	return res, nil
 }
+
+// Pusher packs an image dir given as one stream per file straight into a
+// repository, uploading only the chunk blobs the registry lacks (as
+// Push), and tags the snapshot once every file is in: what `cryo
+// checkpoint` does while the sentry writes its files. A Pusher that is not
+// finished leaves no tag.
+type Pusher struct {
+	repo     *remote.Repository
+	pk       *format.Packer
+	resolver *indexResolver
+	start    time.Time
+}
+
+// NewPusher returns a Pusher into repo. Call Close when done with it.
+func NewPusher(repo *remote.Repository, opts PushOptions) (*Pusher, error) {
+	popts := opts.Pack
+	var resolver *indexResolver
+	if !opts.NoChunkIndex {
+		resolver = &indexResolver{repo: repo, base: BaseURL(repo)}
+		popts.Resolver = resolver
+	}
+	if opts.OnBytes != nil {
+		popts.OnChunk = func(c format.Chunk, _ bool) { opts.OnBytes(c.Size) }
+	}
+	pk, err := format.NewPacker(repo, popts)
+	if err != nil {
+		return nil, err
+	}
+	return &Pusher{repo: repo, pk: pk, resolver: resolver, start: time.Now()}, nil
+}
+
+// AddFile packs the file at path from r, read to its end, pushing its
+// chunks and manifests as they come; it returns the file's size. Files
+// may be added concurrently.
+func (p *Pusher) AddFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error) {
+	n, err := p.pk.AddFile(ctx, path, mode, r)
+	if err != nil {
+		return n, explain(fmt.Errorf("push %s to %s: %w", path, p.repo.Reference, err), p.repo)
+	}
+	return n, nil
+}
+
+// Finish pushes the snapshot index, checks that the registry has it, and
+// then, only then, tags it.
+func (p *Pusher) Finish(ctx context.Context, tag string) (*PushResult, error) {
+	desc, st, err := p.pk.Finish(ctx)
+	if err != nil {
+		return nil, explain(fmt.Errorf("push to %s: %w", p.repo.Reference, err), p.repo)
+	}
+	if _, err := p.repo.Resolve(ctx, desc.Digest.String()); err != nil {
+		return nil, fmt.Errorf("snapshot index %s not in the registry after its push: %w", desc.Digest, err)
+	}
+	if err := p.repo.Tag(ctx, desc, tag); err != nil {
+		return nil, fmt.Errorf("tag %s: %w", tag, err)
+	}
+	res := &PushResult{Descriptor: desc, Stats: st, Seconds: time.Since(p.start).Seconds()}
+	if p.resolver != nil {
+		res.ChunkIndexHits = p.resolver.hits.Load()
+	}
+	return res, nil
+}
+
+// Close releases the Pusher's encoders.
+func (p *Pusher) Close() { p.pk.Close() }
 
 // DirSize is the total size of the regular files under dir.
 func DirSize(dir string) (int64, error) {

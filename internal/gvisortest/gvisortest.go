@@ -447,13 +447,22 @@ func (a *App) Checkpoint(t testing.TB, extraArgs ...string) string {
 	if leaveRunning(extraArgs) {
 		return img
 	}
+	a.AfterCheckpoint(t)
+	return img
+}
+
+// AfterCheckpoint does what Checkpoint does after a checkpoint that did
+// not leave the app running, for a checkpoint taken another way (cryo
+// checkpoint): it deletes the container and reads the app's remaining
+// output, so that LastCount is the app's last count.
+func (a *App) AfterCheckpoint(t testing.TB) {
+	t.Helper()
 	if err := a.delete(); err != nil {
 		t.Fatalf("gvisortest: after checkpoint: %v", err)
 	}
 	if err := a.readLines(func(string) bool { return false }); err != nil {
 		t.Fatalf("gvisortest: after checkpoint: %v", err)
 	}
-	return img
 }
 
 // leaveRunning reports whether runsc checkpoint flags ask to leave the

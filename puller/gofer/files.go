@@ -131,6 +131,7 @@ func parseRange(h string, size int64) (start, end int64, err error) {
 // concurrent use.
 type Client struct {
 	http     *http.Client
+	id       string
 	base     string
 	index    digest.Digest
 	deadline time.Duration
@@ -146,8 +147,8 @@ type Client struct {
 // fetch deadline.
 const DefaultDeadline = 5 * time.Minute
 
-// NewClient returns a Client of mount id on the unix socket, that serves
-// snapshot index only. deadline bounds each read's retries (0:
+// NewClient returns a Client of mount (or checkpoint session) id on the
+// unix socket, that reads snapshot index only. deadline bounds each read's retries (0:
 // DefaultDeadline).
 func NewClient(socket, id string, index digest.Digest, deadline time.Duration) *Client {
 	if deadline <= 0 {
@@ -163,6 +164,7 @@ func NewClient(socket, id string, index digest.Digest, deadline time.Duration) *
 	}
 	return &Client{
 		http:     &http.Client{Transport: tr},
+		id:       id,
 		base:     "http://cryo/v1/mounts/" + url.PathEscape(id) + "/files/",
 		index:    index,
 		deadline: deadline,

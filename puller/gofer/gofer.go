@@ -20,14 +20,81 @@ package gofer
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 
 	"github.com/opencontainers/go-digest"
 )
+
+// Binary is the file name of cryo's checkpoint gofer in its dir, the name
+// runsc looks for in GVISOR_SIDECAR_BINARIES_DIR.
+const Binary = "checkpointgofer"
+
+// Release returns the gVisor release the gofer binary at path was built
+// from (`checkpointgofer --version`): it serves only a runsc of that
+// release.
+func Release(ctx context.Context, path string) (string, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return "", err
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return "", fmt.Errorf("%s is not an executable file", path)
+	}
+	out, err := exec.CommandContext(ctx, path, "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("%s --version: %w", path, err)
+	}
+	first, _, _ := strings.Cut(string(out), "\n")
+	_, v, ok := strings.Cut(strings.TrimSpace(first), "gVisor release ")
+	if !ok {
+		return "", fmt.Errorf("%s --version printed %q: not cryo's checkpoint gofer", path, first)
+	}
+	return strings.TrimSpace(v), nil
+}
+
+// BinaryError says why the gofer in a dir cannot serve the local runsc.
+type BinaryError struct {
+	// Path is the gofer binary looked for.
+	Path string
+	// Release is the gofer's gVisor release (empty if it has none), Runsc
+	// the local runsc's.
+	Release, Runsc string
+	// Err says what is wrong, if not the release.
+	Err error
+}
+
+func (e *BinaryError) Error() string {
+	if e.Err == nil {
+		return fmt.Sprintf("checkpoint gofer %s is gVisor release %q, runsc is %q: the gofer protocol is internal to one release (rebuild the gofer with make gofer)", e.Path, e.Release, e.Runsc)
+	}
+	return fmt.Sprintf("checkpoint gofer %s: %v (build it with make gofer)", e.Path, e.Err)
+}
+
+func (e *BinaryError) Unwrap() error { return e.Err }
+
+// Check returns a *BinaryError unless dir holds a gofer of runsc's gVisor
+// release (runsc is what `runsc --version` names).
+func Check(ctx context.Context, dir, runsc string) error {
+	if dir == "" {
+		return &BinaryError{Path: Binary, Runsc: runsc, Err: fmt.Errorf("no gofer dir given")}
+	}
+	path := filepath.Join(dir, Binary)
+	rel, err := Release(ctx, path)
+	if err != nil {
+		return &BinaryError{Path: path, Runsc: runsc, Err: err}
+	}
+	if rel != runsc {
+		return &BinaryError{Path: path, Release: rel, Runsc: runsc}
+	}
+	return nil
+}
 
 // ConfigFile is the file whose presence in an image dir makes runsc start
 // the checkpoint gofer (runsc/sandbox/sandbox.go,
@@ -53,7 +120,7 @@ type Config struct {
 	Reference string `json:"reference"`
 	// Index is the snapshot's index digest. The gofer serves that snapshot
 	// only: a mount or a resolved tag with another digest is refused.
-	Index digest.Digest `json:"index"`
+	Index digest.Digest `json:"index,omitempty"`
 	// Socket is the cryo process serving the file API (unix socket path),
 	// and Mount the mount id there. Both set, or neither (a standalone
 	// gofer, which fetches itself).
@@ -62,9 +129,15 @@ type Config struct {
 	// Log, if set, is a file the gofer appends its log lines to (runsc
 	// gives the gofer /dev/null for stdio).
 	Log string `json:"log,omitempty"`
-	// CacheDir is a standalone gofer's node cache (default
-	// /var/lib/cryo/cache).
+	// CacheDir is where a standalone gofer makes its private node cache
+	// (default: the temp dir).
 	CacheDir string `json:"cacheDir,omitempty"`
+	// Checkpoint makes the image dir a checkpoint's: the gofer streams the
+	// files the sentry writes to the upload API of the cryo process at
+	// Socket (session Mount), which packs and pushes them as the snapshot
+	// Reference names. Index is empty then: the snapshot does not exist
+	// yet.
+	Checkpoint bool `json:"checkpoint,omitempty"`
 }
 
 // Validate checks a Config.
@@ -72,7 +145,11 @@ func (c Config) Validate() error {
 	if c.MediaType != MediaType {
 		return fmt.Errorf("%s: mediaType %q, want %q (not a cryo gofer config: gVisor's own GCS gofer reads files of that name too)", ConfigFile, c.MediaType, MediaType)
 	}
-	if err := c.Index.Validate(); err != nil {
+	if c.Checkpoint {
+		if c.Index != "" || c.Socket == "" {
+			return fmt.Errorf("%s: a checkpoint's config names a socket and no index", ConfigFile)
+		}
+	} else if err := c.Index.Validate(); err != nil {
 		return fmt.Errorf("%s: index %q: %w", ConfigFile, c.Index, err)
 	}
 	if (c.Socket == "") != (c.Mount == "") {
@@ -90,7 +167,7 @@ func (c Config) Validate() error {
 }
 
 // configKeys are Config's JSON keys, exactly.
-var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true}
+var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true, "checkpoint": true}
 
 // ReadConfig reads and validates a ConfigFile. Keys must be exact and
 // known: a misspelt one is an error, not a default.

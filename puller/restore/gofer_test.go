@@ -14,6 +14,7 @@ import (
 	"github.com/cryo-oci/cryo/internal/gvisortest"
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/restore"
 	"github.com/cryo-oci/cryo/registry/distlayout"
 )
@@ -201,7 +202,7 @@ func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 
 // TestRestoreRefusesGoferOfOtherRelease gives Restore a gofer dir whose
 // checkpointgofer is of another gVisor release than runsc. Asked for the
-// gofer, Restore refuses with a *GoferError naming both releases, having
+// gofer, Restore refuses with a *gofer.BinaryError naming both releases, having
 // mounted nothing and run no runsc restore; with the default backend
 // (auto) it restores through FUSE instead.
 func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
@@ -215,7 +216,7 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	const other = "release-20990101.0"
 	goferDir := t.TempDir()
 	fake := "#!/bin/sh\necho 'cryo checkpointgofer, gVisor release " + other + "'\n"
-	if err := os.WriteFile(filepath.Join(goferDir, restore.GoferBinary), []byte(fake), 0o755); err != nil {
+	if err := os.WriteFile(filepath.Join(goferDir, gofer.Binary), []byte(fake), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
@@ -231,9 +232,9 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), restoreTimeout)
 	defer cancel()
 	_, err = restore.Restore(ctx, p, resolve(t, ref, &fetchLog{}), opts)
-	var ge *restore.GoferError
+	var ge *gofer.BinaryError
 	if !errors.As(err, &ge) {
-		t.Fatalf("Restore with a gofer of release %s: %v, want a *GoferError", other, err)
+		t.Fatalf("Restore with a gofer of release %s: %v, want a *gofer.BinaryError", other, err)
 	}
 	local := gvisortest.RunscVersion(t, e.runsc)
 	for _, v := range []string{other, local} {

@@ -24,6 +24,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/opencontainers/go-digest"
 )
 
@@ -90,54 +91,6 @@ const (
 	BackendGofer Backend = "gofer"
 )
 
-// GoferBinary is the name of cryo's checkpoint gofer in Options.GoferDir,
-// the name runsc looks for.
-const GoferBinary = "checkpointgofer"
-
-// GoferError is Restore's refusal to use the checkpoint gofer when it was
-// asked for (BackendGofer): the binary is missing, or it is of another
-// gVisor release than runsc.
-type GoferError struct {
-	// Path is the gofer binary looked for.
-	Path string
-	// Release is the gofer's gVisor release (empty if missing), Runsc the
-	// local runsc's.
-	Release, Runsc string
-	// Err says what is wrong.
-	Err error
-}
-
-func (e *GoferError) Error() string {
-	if e.Release != "" {
-		return fmt.Sprintf("checkpoint gofer %s is gVisor release %q, runsc is %q: the gofer protocol is internal to one release (rebuild it with make gofer, or use --backend fuse)", e.Path, e.Release, e.Runsc)
-	}
-	return fmt.Sprintf("checkpoint gofer %s: %v (build it with make gofer, or use --backend fuse)", e.Path, e.Err)
-}
-
-func (e *GoferError) Unwrap() error { return e.Err }
-
-// GoferRelease returns the gVisor release the gofer binary at path was
-// built from (`checkpointgofer --version`).
-func GoferRelease(ctx context.Context, path string) (string, error) {
-	fi, err := os.Stat(path)
-	if err != nil {
-		return "", err
-	}
-	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
-		return "", fmt.Errorf("%s is not an executable file", path)
-	}
-	out, err := exec.CommandContext(ctx, path, "--version").Output()
-	if err != nil {
-		return "", fmt.Errorf("%s --version: %w", path, err)
-	}
-	first, _, _ := strings.Cut(string(out), "\n")
-	_, v, ok := strings.Cut(strings.TrimSpace(first), "gVisor release ")
-	if !ok {
-		return "", fmt.Errorf("%s --version printed %q: not cryo's checkpoint gofer", path, first)
-	}
-	return strings.TrimSpace(v), nil
-}
-
 // chooseBackend decides between FUSE and the gofer for a snapshot that
 // is not materialized.
 func chooseBackend(ctx context.Context, opts Options, runsc string) (Backend, error) {
@@ -148,22 +101,9 @@ func chooseBackend(ctx context.Context, opts Options, runsc string) (Backend, er
 	default:
 		return "", fmt.Errorf("restore: backend %q: want auto, fuse or gofer", opts.Backend)
 	}
-	if opts.GoferDir == "" {
+	if err := gofer.Check(ctx, opts.GoferDir, runsc); err != nil {
 		if opts.Backend == BackendGofer {
-			return "", &GoferError{Path: GoferBinary, Err: errors.New("no gofer dir given")}
-		}
-		return BackendFUSE, nil
-	}
-	path := filepath.Join(opts.GoferDir, GoferBinary)
-	rel, err := GoferRelease(ctx, path)
-	if err == nil && rel != runsc {
-		err = &GoferError{Path: path, Release: rel, Runsc: runsc}
-	} else if err != nil {
-		err = &GoferError{Path: path, Runsc: runsc, Err: err}
-	}
-	if err != nil {
-		if opts.Backend == BackendGofer {
-			return "", err
+			return "", fmt.Errorf("%w; or restore with --backend fuse", err)
 		}
 		return BackendFUSE, nil
 	}

@@ -1,0 +1,90 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/checkpoint"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/spf13/cobra"
+)
+
+func newCheckpointCmd() *cobra.Command {
+	var (
+		ro           remoteOptions
+		runsc        string
+		runscFlags   []string
+		leaveRunning bool
+		goferDir     string
+		goferLog     string
+		concurrency  int
+		noChunkIndex bool
+		asJSON       bool
+	)
+	cmd := &cobra.Command{
+		Use:   "checkpoint [flags] CONTAINER REF",
+		Short: "Checkpoint a gVisor sandbox straight into a registry",
+		Long: `Checkpoint runs
+  runsc [--runsc-flag...] checkpoint --image-path=DIR --compression=none [--leave-running] CONTAINER
+on an image dir that holds only cryo's gcs_opts.json: runsc starts cryo's
+checkpoint gofer (from --gofer-dir, through GVISOR_SIDECAR_BINARIES_DIR),
+which streams checkpoint.img, pages_meta.img and pages.img to this process
+as the sentry writes them. They are chunked, hashed, checked against the
+registry's chunk index and pushed while the sentry writes: no copy of the
+sandbox's memory goes to local disk, and a second checkpoint of mostly the
+same memory uploads only what changed. The snapshot is tagged REF only once
+runsc checkpoint succeeded and every blob and manifest is in the registry;
+an interrupted checkpoint leaves no tag.
+
+The gofer must be built from runsc's gVisor release (make gofer); cryo
+checks before it starts runsc. Credentials: as cryo push.`,
+		Example: `  cryo checkpoint --runsc-flag=--root=/run/runsc --leave-running app1 localhost:5000/app:v2`,
+		Args:    cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := noCoreDumps(); err != nil {
+				return err
+			}
+			repo, tag, err := ro.repository(args[1])
+			if err != nil {
+				return err
+			}
+			res, err := checkpoint.Checkpoint(cmd.Context(), checkpoint.Options{
+				Runsc:        runsc,
+				RunscFlags:   runscFlags,
+				ContainerID:  args[0],
+				LeaveRunning: leaveRunning,
+				GoferDir:     goferDir,
+				GoferLog:     goferLog,
+				Repo:         repo,
+				Tag:          tag,
+				Push:         transfer.PushOptions{Pack: format.PackOptions{Concurrency: concurrency}, NoChunkIndex: noChunkIndex},
+				Stderr:       cmd.ErrOrStderr(),
+			})
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(cmd.OutOrStdout(), res)
+			}
+			st := res.Stats
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "checkpointed %s to %s\n", args[0], args[1])
+			fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
+			fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
+			fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
+			fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
+			fmt.Fprintf(w, "  took       %.2fs (runsc checkpoint returned after %.2fs)\n", res.Pushed.Seconds(), res.Checkpointed.Seconds())
+			return nil
+		},
+	}
+	ro.register(cmd)
+	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "runsc binary")
+	cmd.Flags().StringArrayVar(&runscFlags, "runsc-flag", nil, "global runsc flag, e.g. --runsc-flag=--root=/run/runsc (repeatable)")
+	cmd.Flags().BoolVar(&leaveRunning, "leave-running", false, "keep the sandbox running after the checkpoint (runsc checkpoint --leave-running)")
+	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer (default $CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
+	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
+	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return cmd
+}
