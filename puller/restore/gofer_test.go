@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/restore"
 	"github.com/cryo-oci/cryo/registry/distlayout"
+	"github.com/opencontainers/go-digest"
 )
 
 // TestRestoreThroughGofer restores a checkpointed app through cryo's
@@ -256,5 +258,57 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	res := e.restoreApp(t, p, resolve(t, ref, &fetchLog{}), opts, app, last)
 	if res.Mode != "fuse" {
 		t.Errorf("auto with a gofer of another release: mode %q, want fuse", res.Mode)
+	}
+}
+
+// TestStandaloneGoferRestore restores with plain runsc restore from an
+// image dir whose gcs_opts.json names no cryo process, only the snapshot
+// (reference and index digest): the gofer resolves and fetches it itself,
+// with the node's credentials, and the app goes on with its memory hash
+// unchanged. A config whose index the tag no longer names is refused: the
+// restore fails rather than run another snapshot.
+func TestStandaloneGoferRestore(t *testing.T) {
+	e := newEnv(t)
+	goferDir := gvisortest.GoferDir(t)
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
+	app.NextCount(t)
+	img := app.Checkpoint(t)
+	last := app.LastCount()
+	ref := e.reg.Addr + "/app:standalone"
+	d := e.push(t, img, ref)
+
+	run := func(index digest.Digest) (*gvisortest.RestoreCmd, string) {
+		dir := filepath.Join(t.TempDir(), "img")
+		logFile := filepath.Join(t.TempDir(), "gofer.log")
+		if err := gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: ref, Index: index, Log: logFile, CacheDir: t.TempDir()}); err != nil {
+			t.Fatal(err)
+		}
+		args := append(app.Flags(), "restore", "--detach", "--background", "--bundle="+app.BundleDir(), "--image-path="+dir, app.ID())
+		cmd := exec.Command(e.runsc, args...)
+		cmd.Env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+goferDir)
+		return app.StartRestoreWith(t, cmd), logFile
+	}
+	rc, logFile := run(d)
+	if err := rc.Wait(restoreTimeout); err != nil {
+		logged, _ := os.ReadFile(logFile)
+		t.Fatalf("runsc restore: %v\ngofer log:\n%s", err, logged)
+	}
+	if n := app.NextCount(t); n != last+1 {
+		t.Errorf("restored app counts %d, want %d", n, last+1)
+	}
+	if h := app.Hash(t); h != app.StartHash() {
+		t.Errorf("memory hash after restore %s, at start %s", h, app.StartHash())
+	}
+	app.WaitRestored(t)
+	if logged, _ := os.ReadFile(logFile); !strings.Contains(string(logged), "standalone") {
+		t.Errorf("the gofer did not serve standalone:\n%s", logged)
+	}
+
+	rc, logFile = run(digest.FromString("another snapshot"))
+	if err := rc.Wait(restoreTimeout); err == nil {
+		t.Error("runsc restore of a config naming another snapshot than the tag's succeeded")
+	}
+	if logged, _ := os.ReadFile(logFile); !strings.Contains(string(logged), "refusing to serve another snapshot") {
+		t.Errorf("the gofer's log does not say why it refused:\n%s", logged)
 	}
 }
