@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -28,21 +29,25 @@ var (
 	chartFlag = flag.String("chart", "", "write a PNG bar chart of the loopback results here")
 )
 
-// The five ways back to a running app.
+// The six ways back to a running app.
 const (
 	localCold = "local dir, cold page cache"
 	localWarm = "local dir, warm page cache"
 	naive     = "oras pull + runsc restore"
-	cryoCold  = "cryo restore, cold node cache"
-	cryoWarm  = "cryo restore, warm node cache"
+	cryoGofer = "cryo restore --backend gofer, cold node cache"
+	cryoCold  = "cryo restore --backend fuse, cold node cache"
+	cryoWarm  = "cryo restore, warm node cache (materialized)"
 )
 
-var paths = []string{localCold, localWarm, naive, cryoCold, cryoWarm}
+var paths = []string{localCold, localWarm, naive, cryoGofer, cryoCold, cryoWarm}
 
 // loadedLine is what cryo restore prints when runsc wait --restore returns.
 var loadedLine = regexp.MustCompile(`cryo: all pages loaded after ([0-9.]+) s`)
 
-type sample struct{ running, loaded, wire float64 }
+// sample is one restore: seconds until the app runs again and until every
+// page is loaded, registry blob bytes, and for cryo the cryo process's
+// peak RSS and block-device writes, in bytes.
+type sample struct{ running, loaded, wire, rss, writes float64 }
 
 // BenchmarkRestore measures, for each app size and link, the time from the
 // restore command's start until the app's next output line, and until all
@@ -106,8 +111,8 @@ func BenchmarkRestore(b *testing.B) {
 						out := filepath.Join(work, "oras-out")
 						cmd = shell(app, fmt.Sprintf("mkdir -p %s && %s pull --plain-http -o %s %s/oras:%s >/dev/null && ", out, oras, out, addr, tag)+
 							runscRestore(app, out)+" && "+runscWait(app))
-					case cryoCold, cryoWarm:
-						if path == cryoCold {
+					case cryoGofer, cryoCold, cryoWarm:
+						if path != cryoWarm {
 							if err := benchutil.DropCaches(); err != nil {
 								b.Fatal(err)
 							}
@@ -115,8 +120,15 @@ func BenchmarkRestore(b *testing.B) {
 							warm(filepath.Join(cache, "images"))
 						}
 						args := []string{"restore", "--cache", cache, "--runsc", runsc}
-						if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" && path == cryoCold {
-							args = append(args, "--read-log", log)
+						switch path {
+						case cryoGofer:
+							// A cache of its own: cold, as the FUSE path's.
+							args = []string{"restore", "--cache", filepath.Join(work, "cache-gofer"), "--runsc", runsc, "--backend", "gofer"}
+						case cryoCold:
+							args = append(args, "--backend", "fuse")
+							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
+								args = append(args, "--read-log", log)
+							}
 						}
 						for _, f := range app.Flags() {
 							args = append(args, "--runsc-flag="+f)
@@ -132,7 +144,10 @@ func BenchmarkRestore(b *testing.B) {
 						b.Fatalf("%s: %v\n%s%s", path, err, stdout, stderr)
 					}
 					s := sample{running: running, loaded: rc.Duration().Seconds(), wire: blobBytes(b, reg.MetricsAddr) - before}
-					if path == cryoCold || path == cryoWarm {
+					if ru, ok := rc.Cmd.ProcessState.SysUsage().(*syscall.Rusage); ok && strings.HasPrefix(path, "cryo") {
+						s.rss, s.writes = float64(ru.Maxrss)*1024, float64(ru.Oublock)*512
+					}
+					if strings.HasPrefix(path, "cryo") {
 						// cryo restore goes on to write the materialized
 						// dir after the sandbox has all its pages; "fully
 						// loaded" is when runsc wait --restore returned.
@@ -252,8 +267,8 @@ func loaded(s sample) float64  { return s.loaded }
 func report(sizes []int, links []Link, res map[string][]sample) {
 	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Restore -benchtime 1x -sizes %s -reps %d -shaped-reps %d -links %s` — GOMAXPROCS=%d, %s, %s\n\n",
 		*sizesFlag, *repsFlag, *shapedRep, *linksFlag, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
-	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry |")
-	fmt.Println("|--:|---|---|--:|--:|--:|")
+	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry | cryo's peak RSS | cryo's disk writes per restored byte |")
+	fmt.Println("|--:|---|---|--:|--:|--:|--:|--:|")
 	for _, mib := range sizes {
 		for _, l := range links {
 			for _, p := range paths {
@@ -261,12 +276,17 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 				if len(s) == 0 {
 					continue
 				}
-				fmt.Printf("| %d MiB | %s | %s | %s | %s | %.0f MiB |\n", mib, l.Name, p, cell(s, running), cell(s, loaded), med(s, func(x sample) float64 { return x.wire })/(1<<20))
+				rss, writes := "", ""
+				if strings.HasPrefix(p, "cryo") {
+					rss = fmt.Sprintf("%.0f MiB", med(s, func(x sample) float64 { return x.rss })/(1<<20))
+					writes = fmt.Sprintf("%.2f", med(s, func(x sample) float64 { return x.writes })/float64(int64(mib)<<20))
+				}
+				fmt.Printf("| %d MiB | %s | %s | %s | %s | %.0f MiB | %s | %s |\n", mib, l.Name, p, cell(s, running), cell(s, loaded), med(s, func(x sample) float64 { return x.wire })/(1<<20), rss, writes)
 			}
 		}
 	}
-	fmt.Println("\n| app memory | link | cryo cold / local cold (target ≤ 1.5) | naive / cryo cold (target ≥ 5 at 1 GiB on 100 Mbit) | cryo warm / local warm (target ≤ 1.2) | cryo loaded / naive loaded (target ≤ 1) |")
-	fmt.Println("|--:|---|--:|--:|--:|--:|")
+	fmt.Println("\n| app memory | link | gofer cold / local cold (target ≤ 1.2) | gofer loaded / naive loaded (target ≤ 1.0) | fuse cold / local cold (target ≤ 1.5) | fuse loaded / naive loaded | naive / gofer cold | cryo warm / local warm (target ≤ 1.2) |")
+	fmt.Println("|--:|---|--:|--:|--:|--:|--:|--:|")
 	for _, mib := range sizes {
 		for _, l := range links {
 			get := func(p string, f func(sample) float64) float64 {
@@ -276,10 +296,11 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 				}
 				return med(s, f)
 			}
-			fmt.Printf("| %d MiB | %s | %.2f | %.2f | %.2f | %.2f |\n", mib, l.Name,
-				get(cryoCold, running)/get(localCold, running), get(naive, running)/get(cryoCold, running),
-				get(cryoWarm, running)/get(localWarm, running), get(cryoCold, loaded)/get(naive, loaded))
+			fmt.Printf("| %d MiB | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", mib, l.Name,
+				get(cryoGofer, running)/get(localCold, running), get(cryoGofer, loaded)/get(naive, loaded),
+				get(cryoCold, running)/get(localCold, running), get(cryoCold, loaded)/get(naive, loaded),
+				get(naive, running)/get(cryoGofer, running), get(cryoWarm, running)/get(localWarm, running))
 		}
 	}
-	fmt.Println("\nApp running again: from the start of the restore command (for the naive path, of `oras pull`) until the app's next output line (it prints every 5 ms). Fully loaded: until `runsc wait --restore` returns (as cryo restore reports it; cryo restore then writes the materialized dir for later restores before it exits). Shaped links go through a proxy with a bandwidth shared by all connections and the given round-trip time. Local paths and local disk reads need no registry bytes.")
+	fmt.Println("\nApp running again: from the start of the restore command (for the naive path, of `oras pull`) until the app's next output line (it prints every 5 ms). Fully loaded: until `runsc wait --restore` returns (as cryo restore reports it; cryo restore then writes the materialized dir for later restores before it exits). Peak RSS and disk writes are the cryo restore process's (getrusage: ru_maxrss, ru_oublock), materializing included; the gofer process's own memory is not in them. Shaped links go through a proxy with a bandwidth shared by all connections and the given round-trip time. Local paths and local disk reads need no registry bytes.")
 }

@@ -88,12 +88,24 @@ else:
 def out(s):
     os.write(1, (s + "\n").encode())
 want = [True]
+rewrite = [False]
 def on_usr1(signum, frame):
     want[0] = True
+def on_usr2(signum, frame):
+    rewrite[0] = True
 signal.signal(signal.SIGUSR1, on_usr1)
+signal.signal(signal.SIGUSR2, on_usr2)
 out("ready %d %s %s" % (len(buf), sys.executable, sys.version.split()[0]))
 count = 0
 while True:
+    if rewrite[0]:
+        # Every tenth MiB gets new random bytes: 10% of the memory changes,
+        # in 1 MiB runs, as between two pauses of a real app.
+        rewrite[0] = False
+        for off in range(0, n - (1 << 20) + 1, 10 << 20):
+            buf[off:off + (1 << 20)] = os.urandom(1 << 20)
+        out("rewrote")
+        want[0] = True
     if want[0]:
         want[0] = False
         out("hash " + hashlib.sha256(buf).hexdigest())
@@ -582,6 +594,19 @@ func (a *App) Hash(t testing.TB) string {
 		t.Fatalf("gvisortest: %v", err)
 	}
 	return strings.TrimPrefix(a.WaitLine(t, `^hash [0-9a-f]{64}$`, DefaultTimeout), "hash ")
+}
+
+// Rewrite has the app write new random bytes over every tenth MiB of its
+// buffer (SIGUSR2): 10% of its memory changes in 1 MiB runs. It waits for
+// the app's new hash and makes it the one Hash is compared with
+// (StartHash).
+func (a *App) Rewrite(t testing.TB) {
+	t.Helper()
+	if _, err := a.runscOutput("kill", containerID, "USR2"); err != nil {
+		t.Fatalf("gvisortest: %v", err)
+	}
+	a.WaitLine(t, `^rewrote$`, DefaultTimeout)
+	a.startHash = strings.TrimPrefix(a.WaitLine(t, `^hash [0-9a-f]{64}$`, DefaultTimeout), "hash ")
 }
 
 // NextCount waits for the app's next counter line and returns its value.
