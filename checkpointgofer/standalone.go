@@ -46,7 +46,8 @@ func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (go
 	if err != nil {
 		return fail(err)
 	}
-	m, err := p.MountFiles(ctx, src, filepath.Join(dir, "mount"))
+	// A private cache is removed at exit: nothing to materialize for.
+	m, err := p.MountFiles(ctx, src, filepath.Join(dir, "mount"), puller.FilesOptions{MaterializeAfter: make(chan struct{})})
 	if err != nil {
 		p.Close()
 		return fail(err)

@@ -61,8 +61,9 @@ type Options struct {
 	FetchMetrics *fetch.Metrics
 	// KeepFetchLog records every fetch, for tests.
 	KeepFetchLog bool
-	// ReadLog, if set, gets a line for every FUSE read (file, offset,
-	// length, start, duration), to see where a restore waits.
+	// ReadLog, if set, gets a line for every FUSE read and every read of
+	// the gofer's file API (file, offset, length, start, duration), to see
+	// where a restore waits.
 	ReadLog io.Writer
 }
 
@@ -287,6 +288,9 @@ func (l *load) run(ctx context.Context, files []int, materialize bool) error {
 	return l.materialize(ctx)
 }
 
+// closed is a closed channel: no wait.
+var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
 // fetchAll prefetches every chunk of the given files, the prefetch list's
 // first, the rest in file and offset order, and waits for them.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
@@ -434,6 +438,9 @@ type Mount struct {
 	fsStats imagefs.Stats
 	// materialized is the materialized dir a MountFiles mount reads.
 	materialized string
+	// materializeAfter holds the background load's materializing back
+	// until closed (FilesOptions).
+	materializeAfter <-chan struct{}
 	// files are what imagefs serves: every file's chunks, and the small
 	// files' bytes.
 	files []imagefs.File
@@ -459,7 +466,7 @@ type Mount struct {
 // is bind-mounted from the node cache instead (no FUSE); without FUSE,
 // Mount loads eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
-	return p.mount(ctx, src, dir, false)
+	return p.mount(ctx, src, dir, false, nil)
 }
 
 // MountFiles makes the snapshot readable through the Mount's ReadAt, for
@@ -470,14 +477,26 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 // created 0700 and left empty for the presenter's own files; nothing of
 // the snapshot is written there. A materialized snapshot is read from its
 // materialized dir. MountFiles needs no FUSE.
-func (p *Puller) MountFiles(ctx context.Context, src Source, dir string) (*Mount, error) {
-	return p.mount(ctx, src, dir, true)
+func (p *Puller) MountFiles(ctx context.Context, src Source, dir string, opts FilesOptions) (*Mount, error) {
+	return p.mount(ctx, src, dir, true, opts.MaterializeAfter)
+}
+
+// FilesOptions tune MountFiles.
+type FilesOptions struct {
+	// MaterializeAfter, if set, holds the materialized dir's writing back
+	// until it is closed, once every chunk is local: a restore closes it
+	// when the sandbox has every page, so that writing the snapshot once
+	// more does not slow the sandbox's loading down. Nil: at once.
+	MaterializeAfter <-chan struct{}
 }
 
 // mount is Mount, or with files MountFiles.
-func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool) (*Mount, error) {
+func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, materializeAfter <-chan struct{}) (*Mount, error) {
 	start := time.Now()
-	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}}
+	if materializeAfter == nil {
+		materializeAfter = closed
+	}
+	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
@@ -592,6 +611,12 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 	if !ok {
 		return fmt.Errorf("snapshot %s has no file %q: %w", m.l.src.Index.Digest, path, os.ErrNotExist)
 	}
+	if w := m.l.p.opts.ReadLog; w != nil {
+		t0 := time.Now()
+		defer func() {
+			fmt.Fprintf(w, "read %s off=%d len=%d start=%s took=%s prio=%d\n", path, off, len(p), t0.Format("15:04:05.000000"), time.Since(t0), prio)
+		}()
+	}
 	if m.materialized != "" {
 		return m.readMaterialized(i, p, off)
 	}
@@ -672,7 +697,21 @@ func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
 // loadAll runs the load over the given files and materializes the
 // snapshot, then reports the mount loaded.
 func (m *Mount) loadAll(ctx context.Context, files []int) error {
-	err := m.l.run(ctx, files, true)
+	err := m.l.fetchAll(ctx, files)
+	if err == nil {
+		m.l.mu.Lock()
+		m.l.localAt = time.Since(m.l.start)
+		m.l.mu.Unlock()
+		// Materializing reads and writes the whole snapshot once more:
+		// while a sandbox still loads its pages from this mount, it would
+		// take the disk and the CPU from it.
+		select {
+		case <-m.materializeAfter:
+			err = m.l.materialize(ctx)
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	}
 	m.finish(err)
 	return err
 }

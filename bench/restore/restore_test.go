@@ -27,6 +27,7 @@ var (
 	shapedRep = flag.Int("shaped-reps", 1, "repetitions on each shaped link")
 	linksFlag = flag.String("links", "loopback,1gbit-5ms,100mbit-25ms", "links: loopback and/or shaped NAME-RTT with NAME 1gbit or 100mbit")
 	chartFlag = flag.String("chart", "", "write a PNG bar chart of the loopback results here")
+	regRoot   = flag.String("registry-root", "", "the registry's storage root (default: a temp dir); on tmpfs (/dev/shm/...) the registry, remote in real use, does not share the node's disk")
 )
 
 // The six ways back to a running app.
@@ -39,7 +40,7 @@ const (
 	cryoWarm  = "cryo restore, warm node cache (materialized)"
 )
 
-var paths = []string{localCold, localWarm, naive, cryoGofer, cryoCold, cryoWarm}
+var paths = pathsFromEnv()
 
 // loadedLine is what cryo restore prints when runsc wait --restore returns.
 var loadedLine = regexp.MustCompile(`cryo: all pages loaded after ([0-9.]+) s`)
@@ -56,7 +57,15 @@ type sample struct{ running, loaded, wire, rss, writes float64 }
 func BenchmarkRestore(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	cryo, oras := testenv.Tool(b, "cryo"), testenv.Tool(b, "oras")
-	reg := testenv.StartRegistry(b, "")
+	root := *regRoot
+	if root != "" {
+		var err error
+		if root, err = os.MkdirTemp(root, "cryo-bench-registry-"); err != nil {
+			b.Fatal(err)
+		}
+		defer os.RemoveAll(root)
+	}
+	reg := testenv.StartRegistry(b, root)
 	var sizes []int
 	for _, s := range strings.Split(*sizesFlag, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
@@ -124,6 +133,13 @@ func BenchmarkRestore(b *testing.B) {
 						case cryoGofer:
 							// A cache of its own: cold, as the FUSE path's.
 							args = []string{"restore", "--cache", filepath.Join(work, "cache-gofer"), "--runsc", runsc, "--backend", "gofer"}
+							if prof := os.Getenv("CRYO_BENCH_GOFER_CPUPROFILE"); prof != "" {
+								args = append(args, "--cpuprofile", prof)
+							}
+							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
+								args = append(args, "--read-log", log+".gofer")
+							}
+							args = append(args, strings.Fields(os.Getenv("CRYO_BENCH_GOFER_FLAGS"))...)
 						case cryoCold:
 							args = append(args, "--backend", "fuse")
 							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
@@ -265,8 +281,8 @@ func running(s sample) float64 { return s.running }
 func loaded(s sample) float64  { return s.loaded }
 
 func report(sizes []int, links []Link, res map[string][]sample) {
-	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Restore -benchtime 1x -sizes %s -reps %d -shaped-reps %d -links %s` — GOMAXPROCS=%d, %s, %s\n\n",
-		*sizesFlag, *repsFlag, *shapedRep, *linksFlag, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
+	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Restore -benchtime 1x -sizes %s -reps %d -shaped-reps %d -links %s -registry-root '%s'` — GOMAXPROCS=%d, %s, %s\n\n",
+		*sizesFlag, *repsFlag, *shapedRep, *linksFlag, *regRoot, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry | cryo's peak RSS | cryo's disk writes per restored byte |")
 	fmt.Println("|--:|---|---|--:|--:|--:|--:|--:|")
 	for _, mib := range sizes {
@@ -303,4 +319,24 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 		}
 	}
 	fmt.Println("\nApp running again: from the start of the restore command (for the naive path, of `oras pull`) until the app's next output line (it prints every 5 ms). Fully loaded: until `runsc wait --restore` returns (as cryo restore reports it; cryo restore then writes the materialized dir for later restores before it exits). Peak RSS and disk writes are the cryo restore process's (getrusage: ru_maxrss, ru_oublock), materializing included; the gofer process's own memory is not in them. Shaped links go through a proxy with a bandwidth shared by all connections and the given round-trip time. Local paths and local disk reads need no registry bytes.")
+}
+
+// pathsFromEnv returns the paths to measure: all, or with
+// CRYO_BENCH_ONLY=SUBSTRING those whose name contains it. For
+// investigations, CRYO_BENCH_GOFER_CPUPROFILE=FILE profiles the gofer
+// path's cryo restore, CRYO_BENCH_GOFER_FLAGS adds flags to it (e.g.
+// "--workers 4"), and CRYO_BENCH_READ_LOG=FILE logs every read of the FUSE
+// path to FILE and of the gofer path to FILE.gofer.
+func pathsFromEnv() []string {
+	all := []string{localCold, localWarm, naive, cryoGofer, cryoCold, cryoWarm}
+	if os.Getenv("CRYO_BENCH_ONLY") == "" {
+		return all
+	}
+	var out []string
+	for _, p := range all {
+		if strings.Contains(p, os.Getenv("CRYO_BENCH_ONLY")) {
+			out = append(out, p)
+		}
+	}
+	return out
 }

@@ -40,7 +40,7 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 	fl.BoolVar(&f.noFUSE, "no-fuse", false, "do not use FUSE: pull the whole snapshot before returning")
 	fl.IntVar(&f.workers, "workers", 12, "chunks fetched at once")
 	fl.DurationVar(&f.deadline, "deadline", 5*time.Minute, "how long a chunk is retried before its read fails")
-	fl.StringVar(&f.readLog, "read-log", "", "write a line per FUSE read (file, offset, length, start, duration) to this file, to see where a restore waits")
+	fl.StringVar(&f.readLog, "read-log", "", "write a line per read of the snapshot (FUSE or gofer: file, offset, length, start, duration) to this file, to see where a restore waits")
 	fl.StringVar(&f.prefetch, "prefetch-list", "", `JSON file of byte ranges to load first, in order: [{"path": "pages.img", "offset": 0, "length": 1048576}, ...]`)
 }
 

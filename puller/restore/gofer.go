@@ -18,7 +18,10 @@ import (
 // process: a MountFiles mount, the file API on a private unix socket,
 // and an image dir holding only gcs_opts.json that names them.
 type goferMount struct {
-	m      *puller.Mount
+	m *puller.Mount
+	// pagesLoaded, closed when the sandbox has every page, lets the
+	// mount write the materialized dir.
+	pagesLoaded chan struct{}
 	srv    *http.Server
 	sockIn string // the socket's private dir
 }
@@ -30,11 +33,12 @@ const goferMountID = "restore"
 // The socket lives in a 0700 dir of its own under the temp dir (a unix
 // socket path must be short; the image dir's may not be).
 func startGofer(ctx context.Context, p *puller.Puller, src puller.Source, dir string, opts Options) (*goferMount, error) {
-	m, err := p.MountFiles(ctx, src, dir)
+	loaded := make(chan struct{})
+	m, err := p.MountFiles(ctx, src, dir, puller.FilesOptions{MaterializeAfter: loaded})
 	if err != nil {
 		return nil, err
 	}
-	g := &goferMount{m: m}
+	g := &goferMount{m: m, pagesLoaded: loaded}
 	if err := g.serve(opts, src); err != nil {
 		g.close()
 		return nil, err
@@ -70,6 +74,16 @@ func (g *goferMount) serve(opts Options, src puller.Source) error {
 		Mount:     goferMountID,
 		Log:       opts.GoferLog,
 	})
+}
+
+// sandboxLoaded says the sandbox has every page: the mount may
+// materialize.
+func (g *goferMount) sandboxLoaded() {
+	select {
+	case <-g.pagesLoaded:
+	default:
+		close(g.pagesLoaded)
+	}
 }
 
 // close stops serving and releases the mount.

@@ -253,6 +253,7 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 	defer p.Cache().UnpinImage(d)
 	dir, materialized := p.Materialized(d)
 	var m *puller.Mount
+	var g *goferMount
 	if materialized {
 		r.res.Mode = "materialized"
 	} else {
@@ -261,7 +262,7 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 			return nil, err
 		}
 		if backend == BackendGofer {
-			g, err := startGofer(ctx, p, src, mountDir, opts)
+			g, err = startGofer(ctx, p, src, mountDir, opts)
 			if err != nil {
 				return nil, err
 			}
@@ -290,6 +291,9 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 		return nil, fmt.Errorf("runsc wait --restore: %w (%s)", err, strings.TrimSpace(string(out)))
 	}
 	r.res.PagesLoaded = r.report(PagesLoaded, dir, nil)
+	if g != nil {
+		g.sandboxLoaded()
+	}
 	r.res.MaterializedDir = p.MaterializedDir(d)
 	if m == nil {
 		return &r.res, nil
