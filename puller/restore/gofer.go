@@ -22,8 +22,8 @@ type goferMount struct {
 	// pagesLoaded, closed when the sandbox has every page, lets the
 	// mount write the materialized dir.
 	pagesLoaded chan struct{}
-	srv    *http.Server
-	sockIn string // the socket's private dir
+	srv         *http.Server
+	sockIn      string // the socket's private dir
 }
 
 // goferMountID is the id the file API serves the one mount under.
