@@ -13,6 +13,7 @@ import (
 
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/daemon"
+	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/prometheus/client_golang/prometheus"
@@ -33,6 +34,7 @@ func newPullerServeCmd() *cobra.Command {
 	var (
 		pf                pullerFlags
 		socket, mountsDir string
+		installGofer      string
 		metricsAddr       string
 		socketGroup       string
 		maxMounts         int
@@ -47,11 +49,17 @@ lazily from the node cache and the registry (mirrors first):
 
   POST   /v1/mounts            {"ref": "host/repo:tag"}  -> {"id", "dir", ...}
                                (503 at --max-mounts live mounts)
+                               {"ref": ..., "backend": "gofer"}: "dir" holds
+                               only gcs_opts.json; runsc restore reads the
+                               snapshot through cryo's checkpoint gofer (run
+                               runsc with GVISOR_SIDECAR_BINARIES_DIR set to
+                               the --install-gofer dir): no FUSE
   GET    /v1/mounts            list with progress (bytes local/total,
                                demand fetches, time to ready and to loaded)
   GET    /v1/mounts/{id}
   POST   /v1/mounts/{id}/wait  returns once every chunk is local
   DELETE /v1/mounts/{id}       unmount
+  GET    /v1/mounts/{id}/files/{path}  the gofer's reads (SPEC.md 14.2)
   GET    /metrics              Prometheus metrics (also on --metrics-addr,
                                which serves only /metrics and /healthz)
 
@@ -105,6 +113,15 @@ Logs are structured (JSON) on stderr.`,
 			} else if n > 0 {
 				log.Info("detached stale mounts of a previous puller", "dir", mountsDir, "count", n)
 			}
+			if installGofer != "" {
+				if err := gofer.Install(filepath.Join(defaultGoferDir(), gofer.Binary), installGofer); err != nil {
+					return err
+				}
+				log.Info("installed the checkpoint gofer", "dir", installGofer)
+			}
+			if socket, err = filepath.Abs(socket); err != nil {
+				return err
+			}
 			d, err := daemon.New(p, pf.source, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
 			if err != nil {
 				return err
@@ -149,6 +166,7 @@ Logs are structured (JSON) on stderr.`,
 	cmd.Flags().StringVar(&socketGroup, "socket-group", "", "group (name or id) that may use the API socket too (0660); default: root only")
 	cmd.Flags().IntVar(&maxMounts, "max-mounts", daemon.DefaultMaxMounts, "live mounts at most; a mount request over it gets 503")
 	cmd.Flags().StringVar(&mountsDir, "mounts", "", "where mounts are made (default <cache>/mounts); must be visible to runsc")
+	cmd.Flags().StringVar(&installGofer, "install-gofer", "", "copy cryo's checkpoint gofer into this host dir at start, for runsc to use with GVISOR_SIDECAR_BINARIES_DIR=DIR (never gVisor's gvisor-bin dir)")
 	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve /metrics and /healthz (not the mount API, which stays on --socket) on this TCP address, e.g. :9102")
 	return cmd
 }

@@ -270,3 +270,48 @@ func syncDir(dir string) error {
 	defer d.Close()
 	return d.Sync()
 }
+
+// Install copies the gofer binary at src to dir/Binary (dir created
+// 0755), for runsc on the node to find with
+// GVISOR_SIDECAR_BINARIES_DIR=dir: written to a temporary name, flushed,
+// and renamed over any older copy, so a runsc starting meanwhile finds the
+// old or the new one whole. It refuses a dir named gvisor-bin, where the
+// gofer would replace gVisor's own for every sandbox of the runsc beside
+// it.
+func Install(src, dir string) error {
+	if filepath.Base(filepath.Clean(dir)) == "gvisor-bin" {
+		return fmt.Errorf("install gofer: %s is a gVisor sidecar dir: cryo's gofer would replace gVisor's own checkpoint gofer for every sandbox there; use a dir of its own", dir)
+	}
+	data, err := os.ReadFile(src)
+	if err != nil {
+		return fmt.Errorf("install gofer: %w", err)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("install gofer: %w", err)
+	}
+	tmp, err := os.CreateTemp(dir, "."+Binary+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("install gofer: %w", err)
+	}
+	_, err = tmp.Write(data)
+	if err == nil {
+		err = tmp.Chmod(0o755)
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), filepath.Join(dir, Binary))
+	}
+	if err == nil {
+		err = syncDir(dir)
+	}
+	if err != nil {
+		os.Remove(tmp.Name())
+		return fmt.Errorf("install gofer into %s: %w", dir, err)
+	}
+	return nil
+}

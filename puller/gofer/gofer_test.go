@@ -166,3 +166,33 @@ func TestClientResumesCutResponses(t *testing.T) {
 		t.Errorf("ranges asked %v, want %v (resume after the bytes already read)", ranges, want)
 	}
 }
+
+func TestInstall(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "checkpointgofer")
+	if err := os.WriteFile(src, []byte("#!/bin/sh\necho v2\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "run", "gofer")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, Binary), []byte("old"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := Install(src, dir); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(filepath.Join(dir, Binary))
+	if err != nil || string(got) != "#!/bin/sh\necho v2\n" {
+		t.Fatalf("installed %q, %v", got, err)
+	}
+	if fi, _ := os.Stat(filepath.Join(dir, Binary)); fi.Mode().Perm() != 0o755 {
+		t.Errorf("installed with mode %v, want 0755", fi.Mode())
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
+		t.Errorf("dir holds %v after the install, want the gofer alone", ents)
+	}
+	if err := Install(src, filepath.Join(t.TempDir(), "gvisor-bin")); err == nil || !strings.Contains(err.Error(), "gVisor's own") {
+		t.Errorf("install into a gvisor-bin dir: %v, want a refusal", err)
+	}
+}
