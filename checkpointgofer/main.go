@@ -26,6 +26,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -36,6 +37,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/sentry/state/stateipc"
 	"gvisor.dev/gvisor/pkg/unet"
 	"gvisor.dev/gvisor/pkg/urpc"
@@ -121,6 +123,10 @@ func checkRelease(env string) error {
 }
 
 func run(ctx context.Context, args []string) error {
+	// The gofer maps the sandbox's memory: no core dump of it.
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("prctl(PR_SET_DUMPABLE): %w", err)
+	}
 	f, err := parseArgs(args)
 	if err != nil {
 		return err
@@ -169,6 +175,10 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		defer closeSrc()
+		if impl.sizes, err = statFiles(ctx, src); err != nil {
+			log.Error("snapshot source", "err", err)
+			return err
+		}
 		impl.src, impl.allowReads = src, f.checkpointReads
 	}
 
@@ -209,9 +219,31 @@ func openSource(ctx context.Context, cfg gofer.Config, log *slog.Logger) (gofer.
 	}
 	c := gofer.NewClient(cfg.Socket, cfg.Mount, cfg.Index, 0)
 	c.Logf = func(format string, args ...any) { log.Warn(fmt.Sprintf(format, args...)) }
-	if _, err := c.Size(ctx, "checkpoint.img"); err != nil {
-		c.Close()
-		return nil, nil, fmt.Errorf("mount %s at %s: %w", cfg.Mount, cfg.Socket, err)
-	}
 	return c, c.Close, nil
+}
+
+// statFiles asks the source for the sizes of the checkpoint files before
+// anything is served. The sentry reads an error opening pages_meta.img as
+// "this checkpoint has no pages file": so any error but a missing file
+// (a mount gone, another snapshot, the deadline passed) stops the gofer
+// here, and the restore fails saying so, instead of restoring without
+// memory.
+func statFiles(ctx context.Context, src gofer.Source) (map[string]int64, error) {
+	sizes := map[string]int64{}
+	for _, path := range []string{"checkpoint.img", "pages_meta.img", "pages.img"} {
+		n, err := src.Size(ctx, path)
+		if errors.Is(err, os.ErrNotExist) && path != "checkpoint.img" {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		sizes[path] = n
+	}
+	_, meta := sizes["pages_meta.img"]
+	_, pages := sizes["pages.img"]
+	if meta != pages {
+		return nil, fmt.Errorf("the snapshot has one of pages_meta.img and pages.img without the other")
+	}
+	return sizes, nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"sync"
 	"sync/atomic"
 
@@ -40,7 +41,10 @@ type server struct {
 	log        *slog.Logger
 	src        gofer.Source
 	allowReads bool
-	uploads    *gofer.Client
+	// sizes are the sizes of the checkpoint files the snapshot has, asked
+	// before serving (statFiles).
+	sizes   map[string]int64
+	uploads *gofer.Client
 
 	reads, faults, served, written atomic.Int64
 }
@@ -56,12 +60,13 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 	if !checkpointFiles[path] {
 		return nil, fmt.Errorf("cryo checkpoint gofer: %q is not a checkpoint file", path)
 	}
-	size, err := s.src.Size(s.ctx, path)
-	if err != nil {
-		// pages_meta.img is missing from a checkpoint without a pages
-		// file: the sentry takes any error to mean that.
-		s.log.Info("open", "path", path, "err", err)
-		return nil, err
+	size, ok := s.sizes[path]
+	if !ok {
+		// Only pages_meta.img and pages.img may be missing (a checkpoint
+		// without a pages file); the sentry takes an error opening
+		// pages_meta.img for that.
+		s.log.Info("open", "path", path, "err", "not in the snapshot")
+		return nil, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 	}
 	ctx, cancel := context.WithCancel(s.ctx)
 	r := &reader{s: s, path: path, size: size, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
@@ -131,48 +136,63 @@ func (r *reader) AddReadv(id int, off int64, total uint64, _ stateio.Destination
 }
 
 // start reads the file at off into dsts, one after the other, and sends
-// the completion.
+// the completion. Reads are classified here, in the order the sentry
+// submits them: the sweep's come in ascending order. Every read of
+// checkpoint.img and pages_meta.img is one the whole restore waits on.
 func (r *reader) start(id int, off int64, dsts [][]byte) {
+	prio := fetch.Fault
+	if r.classify != nil {
+		total := int64(0)
+		for _, d := range dsts {
+			total += int64(len(d))
+		}
+		prio = r.classify.Classify(off, total)
+	}
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
-		r.done <- r.read(id, off, dsts)
+		r.done <- r.read(id, off, dsts, prio)
 	}()
 }
 
-func (r *reader) read(id int, off int64, dsts [][]byte) stateio.Completion {
-	total := int64(0)
-	for _, d := range dsts {
-		total += int64(len(d))
-	}
-	prio := fetch.Read
-	if r.classify != nil {
-		prio = r.classify.Classify(off, total)
-	}
+func (r *reader) read(id int, off int64, dsts [][]byte, prio fetch.Priority) stateio.Completion {
 	r.s.reads.Add(1)
 	if prio == fetch.Fault {
 		r.s.faults.Add(1)
 	}
-	var n uint64
+	// Clip at the end of the file: the sentry's buffered readers read
+	// past it and expect EOF there.
+	var want [][]byte
+	n, eof := 0, false
 	for _, d := range dsts {
-		if off >= r.size {
-			return stateio.Completion{ID: id, N: n, Err: io.EOF}
+		left := r.size - off - int64(n)
+		if left <= 0 {
+			eof = true
+			break
 		}
-		want := d[:min(int64(len(d)), r.size-off)]
-		if err := r.s.src.ReadAt(r.ctx, r.path, want, off, prio); err != nil {
-			if !errors.Is(err, context.Canceled) {
-				r.s.log.Error("read failed: the sandbox will stop", "path", r.path, "off", off, "len", len(want), "err", err)
-			}
-			return stateio.Completion{ID: id, N: n, Err: unix.EIO}
+		if int64(len(d)) > left {
+			d, eof = d[:left], true
 		}
-		n += uint64(len(want))
-		r.s.served.Add(int64(len(want)))
-		off += int64(len(want))
-		if len(want) < len(d) {
-			return stateio.Completion{ID: id, N: n, Err: io.EOF}
+		want = append(want, d)
+		n += len(d)
+		if eof {
+			break
 		}
 	}
-	return stateio.Completion{ID: id, N: n}
+	if n > 0 {
+		if err := r.s.src.ReadAt(r.ctx, r.path, want, off, prio); err != nil {
+			if !errors.Is(err, context.Canceled) {
+				r.s.log.Error("read failed: the sandbox will stop", "path", r.path, "off", off, "len", n, "err", err)
+			}
+			return stateio.Completion{ID: id, Err: unix.EIO}
+		}
+		r.s.served.Add(int64(n))
+	}
+	c := stateio.Completion{ID: id, N: uint64(n)}
+	if eof {
+		c.Err = io.EOF
+	}
+	return c
 }
 
 // Wait implements stateio.AsyncReader.Wait.
@@ -253,7 +273,9 @@ func (w *writer) run() {
 				break
 			}
 			if _, err = w.up.Write(b); err != nil {
-				w.s.log.Error("write failed: the checkpoint fails", "path", w.path, "err", err)
+				if !errors.Is(err, errAborted) {
+					w.s.log.Error("write failed: the checkpoint fails", "path", w.path, "err", err)
+				}
 				w.failed.Store(true)
 				err = unix.EIO
 				break
@@ -290,17 +312,22 @@ func (w *writer) Finalize() error {
 }
 
 // Close implements stateio.AsyncWriter.Close. A file not finalized is
-// aborted: cryo drops it, and the snapshot is never tagged.
+// aborted first (a write blocked on the connection returns at once):
+// cryo drops it, and the snapshot is never tagged.
 func (w *writer) Close() error {
 	if w.queue != nil {
+		w.failed.Store(true)
+		w.up.Abort(errAborted)
 		close(w.queue)
 		go func() {
 			for range w.done {
 			}
 		}()
 		<-w.stopped
-		w.up.Abort(errors.New("the sentry closed the file before finalizing it"))
 		close(w.done)
 	}
 	return nil
 }
+
+// errAborted ends the upload of a file the sentry closed unfinalized.
+var errAborted = errors.New("the sentry closed the file before finalizing it")

@@ -9,13 +9,14 @@ import (
 
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/transfer"
 )
 
 // openStandalone serves the snapshot from a puller in the gofer's own
 // process, for nodes without a cryo daemon: it resolves the config's
-// reference with the node's credentials (Docker's credential store, as
-// `cryo pull` does; a config never carries any), refuses a tag that now
-// names another snapshot than the config's index, and fetches into a
+// reference's repository at the config's index digest (its tag may have
+// moved since) with the node's credentials (Docker's credential store, as
+// `cryo pull` does; a config never carries any), and fetches into a
 // private node cache of its own under cfg.CacheDir, removed when the gofer
 // exits. A private cache, because a node cache serves one process: run
 // the puller daemon to share one between sandboxes.
@@ -35,14 +36,22 @@ func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (go
 		os.RemoveAll(dir)
 		return nil, nil, err
 	}
-	src, err := puller.Resolve(ctx, cfg.Reference, puller.ResolveOptions{})
+	// By digest: the config names the snapshot; its tag may have moved
+	// on since (a new pause pushed).
+	ref, err := transfer.ParseReference(cfg.Reference)
 	if err != nil {
-		return fail(fmt.Errorf("resolve %s: %w", cfg.Reference, err))
+		return fail(err)
+	}
+	ref.Reference = cfg.Index.String()
+	src, err := puller.Resolve(ctx, ref.String(), puller.ResolveOptions{})
+	if err != nil {
+		return fail(fmt.Errorf("resolve %s: %w", ref, err))
 	}
 	if src.Index.Digest != cfg.Index {
-		return fail(fmt.Errorf("%s now names snapshot %s, the gofer's config names %s: refusing to serve another snapshot", cfg.Reference, src.Index.Digest, cfg.Index))
+		return fail(fmt.Errorf("%s resolved to snapshot %s, the gofer's config names %s: refusing to serve another snapshot", ref, src.Index.Digest, cfg.Index))
 	}
-	p, err := puller.New(puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log})
+	// The gofer runs in the sandbox's cgroup: hold little in memory.
+	p, err := puller.New(puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log, SmallFilesCap: 16 << 20})
 	if err != nil {
 		return fail(err)
 	}

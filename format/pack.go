@@ -132,6 +132,7 @@ type Packer struct {
 
 	mu       sync.Mutex
 	files    map[string][]ocispec.Descriptor
+	failed   map[string]error
 	metadata map[string]string
 	finished bool
 }
@@ -142,7 +143,7 @@ func NewPacker(dst content.Storage, opts PackOptions) (*Packer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Packer{p: p, files: map[string][]ocispec.Descriptor{}}, nil
+	return &Packer{p: p, files: map[string][]ocispec.Descriptor{}, failed: map[string]error{}}, nil
 }
 
 // Close releases the Packer's encoders.
@@ -160,6 +161,10 @@ func (pk *Packer) AddFile(ctx context.Context, path string, mode fs.FileMode, r 
 		return 0, fmt.Errorf("%s: %v: %w", path, err, ErrUnsupported)
 	}
 	pk.mu.Lock()
+	if pk.finished {
+		pk.mu.Unlock()
+		return 0, fmt.Errorf("%s added after the snapshot was finished: %w", path, ErrInvalid)
+	}
 	_, dup := pk.files[path]
 	if !dup {
 		if len(pk.files) >= MaxFiles {
@@ -178,18 +183,20 @@ func (pk *Packer) AddFile(ctx context.Context, path string, mode fs.FileMode, r 
 		r = io.TeeReader(r, head)
 	}
 	descs, size, err := pk.p.packStream(ctx, fileEntry{path: path, mode: mode.Perm()}, r)
-	if err != nil {
-		return 0, err
-	}
 	var md map[string]string
-	if head != nil {
+	if err == nil && head != nil {
 		md, err = statefile.ReadMetadata(bytes.NewReader(head.b))
 		if errors.Is(err, statefile.ErrNotStateFile) {
 			md, err = nil, nil // not a gVisor checkpoint: packed as any file
+		} else if err != nil {
+			err = fmt.Errorf("%s: %w", CheckpointFile, err)
 		}
-		if err != nil {
-			return 0, fmt.Errorf("%s: %w", CheckpointFile, err)
-		}
+	}
+	if err != nil {
+		pk.mu.Lock()
+		pk.failed[path] = err
+		pk.mu.Unlock()
+		return 0, err
 	}
 	pk.mu.Lock()
 	defer pk.mu.Unlock()
@@ -240,6 +247,9 @@ func (pk *Packer) Finish(ctx context.Context) (ocispec.Descriptor, *PackStats, e
 	}
 	paths := make([]string, 0, len(pk.files))
 	for path, descs := range pk.files {
+		if err := pk.failed[path]; err != nil {
+			return ocispec.Descriptor{}, nil, fmt.Errorf("%s failed: %w", path, err)
+		}
 		if descs == nil {
 			return ocispec.Descriptor{}, nil, fmt.Errorf("%s is still being packed", path)
 		}

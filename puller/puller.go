@@ -210,7 +210,7 @@ func (p *Puller) Load(ctx context.Context, src Source, opts LoadOptions) (*forma
 	for i := range all {
 		all[i] = i
 	}
-	if err := l.run(ctx, all, opts.Materialize); err != nil {
+	if err := l.run(ctx, all, opts.Materialize, closed); err != nil {
 		return nil, err
 	}
 	return l.snap, nil
@@ -275,7 +275,9 @@ func (l *load) prepare(ctx context.Context) error {
 // run fetches every chunk of the given files (indexes into the snapshot's
 // files) into the node cache and, if materialize, then writes the
 // materialized image dir.
-func (l *load) run(ctx context.Context, files []int, materialize bool) error {
+// With materialize, it waits for materializeAfter to be closed (or ctx to
+// end) first.
+func (l *load) run(ctx context.Context, files []int, materialize bool, materializeAfter <-chan struct{}) error {
 	if err := l.fetchAll(ctx, files); err != nil {
 		return err
 	}
@@ -284,6 +286,11 @@ func (l *load) run(ctx context.Context, files []int, materialize bool) error {
 	l.mu.Unlock()
 	if !materialize {
 		return nil
+	}
+	select {
+	case <-materializeAfter:
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 	return l.materialize(ctx)
 }
@@ -505,15 +512,11 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		return nil, err
 	}
 	m.l = l
-	if img, ok := p.Materialized(src.Index.Digest); ok && files {
-		m.mode = "materialized"
-		m.materialized = img
-		m.ready = time.Since(start)
-		l.local.Store(l.total)
-		m.finish(nil)
-		return m, nil
-	} else if ok {
-		if err := bindMount(img, dir); err != nil {
+	if img, ok := p.Materialized(src.Index.Digest); ok {
+		// Read from the dir (MountFiles), or bind-mount it.
+		if files {
+			m.materialized = img
+		} else if err := bindMount(img, dir); err != nil {
 			m.close()
 			return nil, err
 		}
@@ -697,21 +700,10 @@ func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
 // loadAll runs the load over the given files and materializes the
 // snapshot, then reports the mount loaded.
 func (m *Mount) loadAll(ctx context.Context, files []int) error {
-	err := m.l.fetchAll(ctx, files)
-	if err == nil {
-		m.l.mu.Lock()
-		m.l.localAt = time.Since(m.l.start)
-		m.l.mu.Unlock()
-		// Materializing reads and writes the whole snapshot once more:
-		// while a sandbox still loads its pages from this mount, it would
-		// take the disk and the CPU from it.
-		select {
-		case <-m.materializeAfter:
-			err = m.l.materialize(ctx)
-		case <-ctx.Done():
-			err = ctx.Err()
-		}
-	}
+	// Materializing reads and writes the whole snapshot once more: while a
+	// sandbox still loads its pages from this mount, it would take the
+	// disk and the CPU from it (FilesOptions.MaterializeAfter).
+	err := m.l.run(ctx, files, true, m.materializeAfter)
 	m.finish(err)
 	return err
 }

@@ -39,15 +39,7 @@ type PushResult struct {
 // needs, so a failed push leaves no visible snapshot.
 func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, opts PushOptions) (*PushResult, error) {
 	start := time.Now()
-	popts := opts.Pack
-	var resolver *indexResolver
-	if !opts.NoChunkIndex {
-		resolver = &indexResolver{repo: repo, base: BaseURL(repo)}
-		popts.Resolver = resolver
-	}
-	if opts.OnBytes != nil {
-		popts.OnChunk = func(c format.Chunk, _ bool) { opts.OnBytes(c.Size) }
-	}
+	popts, resolver := packOptions(repo, opts)
 	desc, st, err := format.Pack(ctx, dir, repo, popts)
 	if err != nil {
 		return nil, explain(fmt.Errorf("push %s to %s: %w", dir, repo.Reference, err), repo)
@@ -76,15 +68,7 @@ type Pusher struct {
 
 // NewPusher returns a Pusher into repo. Call Close when done with it.
 func NewPusher(repo *remote.Repository, opts PushOptions) (*Pusher, error) {
-	popts := opts.Pack
-	var resolver *indexResolver
-	if !opts.NoChunkIndex {
-		resolver = &indexResolver{repo: repo, base: BaseURL(repo)}
-		popts.Resolver = resolver
-	}
-	if opts.OnBytes != nil {
-		popts.OnChunk = func(c format.Chunk, _ bool) { opts.OnBytes(c.Size) }
-	}
+	popts, resolver := packOptions(repo, opts)
 	pk, err := format.NewPacker(repo, popts)
 	if err != nil {
 		return nil, err
@@ -125,6 +109,21 @@ func (p *Pusher) Finish(ctx context.Context, tag string) (*PushResult, error) {
 
 // Close releases the Pusher's encoders.
 func (p *Pusher) Close() { p.pk.Close() }
+
+// packOptions are opts' packing options with Push's chunk index resolver
+// (nil with NoChunkIndex) and progress callback set.
+func packOptions(repo *remote.Repository, opts PushOptions) (format.PackOptions, *indexResolver) {
+	popts := opts.Pack
+	var resolver *indexResolver
+	if !opts.NoChunkIndex {
+		resolver = &indexResolver{repo: repo, base: BaseURL(repo)}
+		popts.Resolver = resolver
+	}
+	if opts.OnBytes != nil {
+		popts.OnChunk = func(c format.Chunk, _ bool) { opts.OnBytes(c.Size) }
+	}
+	return popts, resolver
+}
 
 // DirSize is the total size of the regular files under dir.
 func DirSize(dir string) (int64, error) {

@@ -54,7 +54,7 @@ checks before it starts runsc. Credentials: as cryo push.`,
 				ContainerID:  args[0],
 				LeaveRunning: leaveRunning,
 				GoferDir:     goferDir,
-				GoferLog:     goferLog,
+				GoferLog:     absPath(goferLog),
 				Repo:         repo,
 				Tag:          tag,
 				Push:         transfer.PushOptions{Pack: format.PackOptions{Concurrency: concurrency}, NoChunkIndex: noChunkIndex},
@@ -66,14 +66,8 @@ checks before it starts runsc. Credentials: as cryo push.`,
 			if asJSON {
 				return writeJSON(cmd.OutOrStdout(), res)
 			}
-			st := res.Stats
-			w := cmd.OutOrStdout()
-			fmt.Fprintf(w, "checkpointed %s to %s\n", args[0], args[1])
-			fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
-			fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
-			fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
-			fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
-			fmt.Fprintf(w, "  took       %.2fs (runsc checkpoint returned after %.2fs)\n", res.Pushed.Seconds(), res.Checkpointed.Seconds())
+			printPushed(cmd.OutOrStdout(), fmt.Sprintf("checkpointed %s to %s", args[0], args[1]), &res.PushResult,
+				fmt.Sprintf("%.2fs (runsc checkpoint returned after %.2fs)", res.Pushed.Seconds(), res.Checkpointed.Seconds()))
 			return nil
 		},
 	}

@@ -229,7 +229,7 @@ gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 				Progress:     func(e restore.Event) { printRestoreEvent(msg, id, e) },
 				Backend:      restore.Backend(backend),
 				GoferDir:     goferDir,
-				GoferLog:     goferLog,
+				GoferLog:     absPath(goferLog),
 			})
 			return err
 		},
@@ -243,6 +243,17 @@ gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().SetInterspersed(false)
 	return cmd
+}
+
+// absPath makes p absolute ("" stays ""): the gofer runs in another dir.
+func absPath(p string) string {
+	if p == "" {
+		return ""
+	}
+	if a, err := filepath.Abs(p); err == nil {
+		return a
+	}
+	return p
 }
 
 // defaultGoferDir is $CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo
@@ -267,7 +278,11 @@ func defaultGoferDir() string {
 func printRestoreEvent(w io.Writer, id string, e restore.Event) {
 	switch e.Step {
 	case restore.Ready:
-		fmt.Fprintf(w, "cryo: snapshot %s: mode %s, image dir %s ready after %.0f ms\n", e.Snapshot, e.Mode, e.Dir, e.After.Seconds()*1000)
+		why := ""
+		if e.GoferUnused != nil {
+			why = fmt.Sprintf(" (checkpoint gofer not used: %v)", e.GoferUnused)
+		}
+		fmt.Fprintf(w, "cryo: snapshot %s: mode %s%s, image dir %s ready after %.0f ms\n", e.Snapshot, e.Mode, why, e.Dir, e.After.Seconds()*1000)
 	case restore.Restored:
 		fmt.Fprintf(w, "cryo: restored %s from %s (mode %s, runsc restore returned after %.0f ms)\n", id, e.Snapshot, e.Mode, e.After.Seconds()*1000)
 	case restore.PagesLoaded:

@@ -13,8 +13,8 @@ import (
 
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/daemon"
-	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"

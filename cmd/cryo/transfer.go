@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"os"
 
 	"github.com/cryo-oci/cryo/format"
@@ -55,14 +56,8 @@ from Docker's config and credential helpers (see cryo login), or -u with
 			if asJSON {
 				return writeJSON(cmd.OutOrStdout(), res)
 			}
-			st := res.Stats
-			w := cmd.OutOrStdout()
-			fmt.Fprintf(w, "pushed %s to %s\n", args[0], args[1])
-			fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
-			fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
-			fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
-			fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
-			fmt.Fprintf(w, "  took       %.2fs (%.0f MB/s logical)\n", res.Seconds, float64(st.LogicalBytes)/1e6/res.Seconds)
+			printPushed(cmd.OutOrStdout(), fmt.Sprintf("pushed %s to %s", args[0], args[1]), res,
+				fmt.Sprintf("%.2fs (%.0f MB/s logical)", res.Seconds, float64(res.Stats.LogicalBytes)/1e6/res.Seconds))
 			return nil
 		},
 	}
@@ -71,6 +66,19 @@ from Docker's config and credential helpers (see cryo login), or -u with
 	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
+}
+
+// printPushed prints what a push (or a checkpoint) stored: a title line,
+// the snapshot's digest, its bytes, what was uploaded and skipped, and how
+// long it took.
+func printPushed(w io.Writer, title string, res *transfer.PushResult, took string) {
+	st := res.Stats
+	fmt.Fprintln(w, title)
+	fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
+	fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
+	fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
+	fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
+	fmt.Fprintf(w, "  took       %s\n", took)
 }
 
 func newPullCmd() *cobra.Command {

@@ -70,6 +70,10 @@ type Result struct {
 	Files map[string]int64
 }
 
+// finishTries is how many times the index and tag are pushed (1 s, 2 s,
+// 4 s, ... apart) before the checkpoint fails.
+const finishTries = 5
+
 // sessionID is the id the upload API serves the one checkpoint under.
 const sessionID = "checkpoint"
 
@@ -102,10 +106,14 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 		return nil, err
 	}
 	defer os.RemoveAll(work)
+	sidecars, err := gofer.SidecarDir(filepath.Join(work, "sidecars"), opts.GoferDir, opts.Runsc)
+	if err != nil {
+		return nil, err
+	}
 	sock := filepath.Join(work, "upload.sock")
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
-		return nil, fmt.Errorf("upload socket: %w", err)
+		return nil, fmt.Errorf("upload socket %s (a unix socket path must be short: set TMPDIR to a short dir): %w", sock, err)
 	}
 	mux := http.NewServeMux()
 	gofer.RegisterUploads(mux, func(id string) (gofer.Sink, bool) { return sink, id == sessionID })
@@ -124,7 +132,7 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 		args = append(args, "--leave-running")
 	}
 	cmd := exec.CommandContext(ctx, opts.Runsc, append(args, opts.ContainerID)...)
-	cmd.Env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+opts.GoferDir)
+	cmd.Env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+sidecars)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	if opts.Stderr != nil {
@@ -140,9 +148,20 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	if _, ok := files["checkpoint.img"]; !ok {
 		return nil, fmt.Errorf("runsc checkpoint succeeded, but no checkpoint.img reached cryo (is %s cryo's gofer?)%s", opts.GoferDir, sink.failures())
 	}
-	res, err := pusher.Finish(ctx, opts.Tag)
+	// Without --leave-running the sandbox is gone by now: the snapshot is
+	// all that is left of it, so a registry hiccup here is retried.
+	var res *transfer.PushResult
+	for try, wait := 1, time.Second; ; try, wait = try+1, 2*wait {
+		if res, err = pusher.Finish(ctx, opts.Tag); err == nil || try == finishTries || ctx.Err() != nil {
+			break
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+		}
+	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("every file is in the registry, but the snapshot index or its tag is not (%d tries): %w", finishTries, err)
 	}
 	return &Result{PushResult: *res, Checkpointed: checkpointed, Pushed: time.Since(start), Files: files}, nil
 }

@@ -321,7 +321,8 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		m, err = d.p.Mount(r.Context(), src, dir)
 	}
 	if err != nil {
-		os.RemoveAll(dir)
+		os.Remove(filepath.Join(dir, gofer.ConfigFile))
+		os.Remove(dir)
 		d.log.Error("mount", "ref", req.Ref, "err", err)
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return

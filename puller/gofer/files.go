@@ -198,7 +198,7 @@ func (c *Client) Size(ctx context.Context, path string) (int64, error) {
 		}
 		resp.Body.Close()
 		if err := c.check(resp, http.StatusOK); err != nil {
-			return resp.StatusCode >= 500, err
+			return resp.StatusCode >= 500 && !errors.Is(err, ErrOtherSnapshot), err
 		}
 		size = resp.ContentLength
 		return false, nil
@@ -212,17 +212,37 @@ func (c *Client) Size(ctx context.Context, path string) (int64, error) {
 	return size, nil
 }
 
-// ReadAt fills p with the file's bytes at off, which must lie within
-// the file. A lost connection or a server error is retried, from the
-// first byte not yet read, until the client's deadline: bytes arrive only
-// once the server verified them, so what is read is kept.
-func (c *Client) ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error {
-	done := 0
+// ReadAt fills dsts, one after the other, with the file's bytes from off
+// on, which must lie within the file, in one request. A lost connection or
+// a server error is retried, from the first byte not yet read, until the
+// client's deadline: bytes arrive only once the server verified them, so
+// what is read is kept.
+func (c *Client) ReadAt(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) error {
+	rest := dsts
 	return c.retry(ctx, path, func() (bool, error) {
-		for done < len(p) {
-			part := p[done:min(len(p), done+MaxRange)]
-			n, retry, err := c.get(ctx, path, part, off+int64(done), prio)
-			done += n
+		for len(rest) > 0 {
+			// At most MaxRange bytes per request.
+			var batch [][]byte
+			n := 0
+			for _, d := range rest {
+				if n > 0 && n+len(d) > MaxRange {
+					break
+				}
+				batch = append(batch, d)
+				n += len(d)
+			}
+			got, retry, err := c.get(ctx, path, batch, off, prio)
+			off += int64(got)
+			// Drop what was read: whole dsts, and the start of the next.
+			for got > 0 {
+				if got >= len(rest[0]) {
+					got -= len(rest[0])
+					rest = rest[1:]
+					continue
+				}
+				rest = append([][]byte{rest[0][got:]}, rest[1:]...)
+				got = 0
+			}
 			if err != nil {
 				return retry, err
 			}
@@ -237,9 +257,9 @@ type Source interface {
 	// Size returns the size of the file at path (os.ErrNotExist if the
 	// snapshot has none).
 	Size(ctx context.Context, path string) (int64, error)
-	// ReadAt fills p with the file's verified bytes at off, within the
-	// file.
-	ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error
+	// ReadAt fills dsts, one after the other, with the file's verified
+	// bytes from off on, within the file.
+	ReadAt(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) error
 }
 
 var (
@@ -259,18 +279,29 @@ func (l local) Size(ctx context.Context, path string) (int64, error) {
 	return 0, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 }
 
-func (l local) ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error {
-	return l.f.ReadAt(ctx, path, p, off, prio)
+func (l local) ReadAt(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) error {
+	for _, d := range dsts {
+		if err := l.f.ReadAt(ctx, path, d, off, prio); err != nil {
+			return err
+		}
+		off += int64(len(d))
+	}
+	return nil
 }
 
-// get reads part at off with one GET; it returns how many bytes it read
-// and whether an error is worth retrying.
-func (c *Client) get(ctx context.Context, path string, part []byte, off int64, prio fetch.Priority) (int, bool, error) {
+// get reads the file from off into dsts, one after the other, with one
+// GET; it returns how many bytes it read and whether an error is worth
+// retrying.
+func (c *Client) get(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) (int, bool, error) {
+	total := 0
+	for _, d := range dsts {
+		total += len(d)
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+path, nil)
 	if err != nil {
 		return 0, false, err
 	}
-	req.Header.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+int64(len(part))-1))
+	req.Header.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+int64(total)-1))
 	if prio == fetch.Fault {
 		req.Header.Set(PriorityHeader, "fault")
 	}
@@ -280,22 +311,30 @@ func (c *Client) get(ctx context.Context, path string, part []byte, off int64, p
 	}
 	defer resp.Body.Close()
 	if err := c.check(resp, http.StatusPartialContent); err != nil {
-		return 0, resp.StatusCode >= 500, err
+		return 0, resp.StatusCode >= 500 && !errors.Is(err, ErrOtherSnapshot), err
 	}
-	if resp.ContentLength != int64(len(part)) {
-		return 0, false, fmt.Errorf("%s: %d bytes at %d asked, %d answered", path, len(part), off, resp.ContentLength)
+	if resp.ContentLength != int64(total) {
+		return 0, false, fmt.Errorf("%s: %d bytes at %d asked, %d answered", path, total, off, resp.ContentLength)
 	}
-	n, err := io.ReadFull(resp.Body, part)
-	if err != nil {
-		return n, true, fmt.Errorf("%s at %d: %w", path, off, err)
+	n := 0
+	for _, d := range dsts {
+		m, err := io.ReadFull(resp.Body, d)
+		n += m
+		if err != nil {
+			return n, true, fmt.Errorf("%s at %d: %w", path, off+int64(n), err)
+		}
 	}
 	return n, false, nil
 }
 
+// ErrOtherSnapshot is the error of a mount that serves another snapshot
+// than the client's; it is never retried.
+var ErrOtherSnapshot = errors.New("the mount serves another snapshot")
+
 // check refuses a response of the wrong status or of another snapshot.
 func (c *Client) check(resp *http.Response, want int) error {
 	if got := resp.Header.Get(SnapshotHeader); got != "" && got != c.index.String() {
-		return fmt.Errorf("mount serves snapshot %s, the gofer's config names %s", got, c.index)
+		return fmt.Errorf("%w: %s, the gofer's config names %s", ErrOtherSnapshot, got, c.index)
 	}
 	if resp.StatusCode == http.StatusNotFound && resp.Header.Get(SnapshotHeader) != "" {
 		return os.ErrNotExist

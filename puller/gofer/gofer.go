@@ -47,14 +47,25 @@ func Release(ctx context.Context, path string) (string, error) {
 	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
 		return "", fmt.Errorf("%s is not an executable file", path)
 	}
-	out, err := exec.CommandContext(ctx, path, "--version").Output()
+	v, err := VersionLine(ctx, path, "cryo checkpointgofer, gVisor release ")
 	if err != nil {
-		return "", fmt.Errorf("%s --version: %w", path, err)
+		return "", fmt.Errorf("%w: not cryo's checkpoint gofer", err)
+	}
+	return v, nil
+}
+
+// VersionLine runs `bin --version` and returns what follows prefix on the
+// first line it prints: runsc prints "runsc version X", cryo's gofer
+// "cryo checkpointgofer, gVisor release X".
+func VersionLine(ctx context.Context, bin, prefix string) (string, error) {
+	out, err := exec.CommandContext(ctx, bin, "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("%s --version: %w", bin, err)
 	}
 	first, _, _ := strings.Cut(string(out), "\n")
-	_, v, ok := strings.Cut(strings.TrimSpace(first), "gVisor release ")
-	if !ok {
-		return "", fmt.Errorf("%s --version printed %q: not cryo's checkpoint gofer", path, first)
+	v, ok := strings.CutPrefix(strings.TrimSpace(first), prefix)
+	if !ok || strings.TrimSpace(v) == "" {
+		return "", fmt.Errorf("%s --version printed %q", bin, first)
 	}
 	return strings.TrimSpace(v), nil
 }
@@ -312,6 +323,63 @@ func Install(src, dir string) error {
 	if err != nil {
 		os.Remove(tmp.Name())
 		return fmt.Errorf("install gofer into %s: %w", dir, err)
+	}
+	return nil
+}
+
+// SidecarDir makes dir (0700) a complete gVisor sidecar dir for the runsc
+// at runsc: GVISOR_SIDECAR_BINARIES_DIR replaces runsc's own gvisor-bin/
+// for every sidecar it starts (the sentry, its prewarmer, the metric
+// server), not only for the checkpoint gofer. So dir gets a link to cryo's
+// gofer in goferDir and a link to each of runsc's other sidecars, from
+// the gvisor-bin/ beside runsc (or beside the file it links to), if there
+// is one. It returns dir.
+func SidecarDir(dir, goferDir, runsc string) (string, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", fmt.Errorf("sidecar dir: %w", err)
+	}
+	gofer, err := filepath.Abs(filepath.Join(goferDir, Binary))
+	if err != nil {
+		return "", err
+	}
+	if err := os.Symlink(gofer, filepath.Join(dir, Binary)); err != nil {
+		return "", fmt.Errorf("sidecar dir: %w", err)
+	}
+	for _, bin := range runscSidecars(runsc) {
+		if filepath.Base(bin) == Binary {
+			continue
+		}
+		if err := os.Symlink(bin, filepath.Join(dir, filepath.Base(bin))); err != nil {
+			return "", fmt.Errorf("sidecar dir: %w", err)
+		}
+	}
+	return dir, nil
+}
+
+// runscSidecars lists the files of the gvisor-bin/ dir runsc itself would
+// use (gVisor's gvisorbinaries.resolveDir, without the variable): beside
+// runsc, else beside the file runsc links to.
+func runscSidecars(runsc string) []string {
+	if p, err := exec.LookPath(runsc); err == nil {
+		runsc = p
+	}
+	runsc, _ = filepath.Abs(runsc)
+	dirs := []string{filepath.Join(filepath.Dir(runsc), "gvisor-bin")}
+	if real, err := filepath.EvalSymlinks(runsc); err == nil {
+		dirs = append(dirs, filepath.Join(filepath.Dir(real), "gvisor-bin"))
+	}
+	for _, d := range dirs {
+		ents, err := os.ReadDir(d)
+		if err != nil {
+			continue
+		}
+		var out []string
+		for _, e := range ents {
+			if !e.IsDir() {
+				out = append(out, filepath.Join(d, e.Name()))
+			}
+		}
+		return out
 	}
 	return nil
 }

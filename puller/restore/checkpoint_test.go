@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/internal/gvisortest"
-	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/checkpoint"
 	"github.com/cryo-oci/cryo/puller/restore"
 	"github.com/cryo-oci/cryo/transfer"
@@ -58,16 +57,10 @@ func TestCheckpointIntoRegistryThenRestore(t *testing.T) {
 	if src.Index.Digest != res.Descriptor.Digest {
 		t.Fatalf("%s resolves to %s, checkpoint pushed %s", ref, src.Index.Digest, res.Descriptor.Digest)
 	}
-	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
 	var events []restore.Event
-	opts := options(e, app, &events)
-	opts.Backend, opts.GoferDir = restore.BackendGofer, goferDir
+	opts := goferOptions(e, app, goferDir, &events)
 	opts.Stdout, opts.Stderr = containerOutput(t, app)
-	if r := e.restoreApp(t, p, src, opts, app, last); r.Mode != "gofer" {
+	if r := e.restoreApp(t, e.newPuller(t), src, opts, app, last); r.Mode != "gofer" {
 		t.Errorf("restore mode %q, want gofer", r.Mode)
 	}
 }

@@ -24,6 +24,9 @@ type goferMount struct {
 	pagesLoaded chan struct{}
 	srv         *http.Server
 	sockIn      string // the socket's private dir
+	// sidecars is the sidecar dir runsc gets: cryo's gofer and runsc's
+	// own other sidecars (gofer.SidecarDir).
+	sidecars string
 }
 
 // goferMountID is the id the file API serves the one mount under.
@@ -51,10 +54,13 @@ func (g *goferMount) serve(opts Options, src puller.Source) error {
 	if g.sockIn, err = os.MkdirTemp("", "cryo-gofer-"); err != nil {
 		return fmt.Errorf("gofer socket dir: %w", err)
 	}
+	if g.sidecars, err = gofer.SidecarDir(filepath.Join(g.sockIn, "sidecars"), opts.GoferDir, opts.Runsc); err != nil {
+		return err
+	}
 	sock := filepath.Join(g.sockIn, "files.sock")
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
-		return fmt.Errorf("gofer socket: %w", err)
+		return fmt.Errorf("gofer socket %s (a unix socket path must be short: set TMPDIR to a short dir): %w", sock, err)
 	}
 	if err := os.Chmod(sock, 0o600); err != nil {
 		ln.Close()

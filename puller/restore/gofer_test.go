@@ -21,6 +21,37 @@ import (
 	"github.com/opencontainers/go-digest"
 )
 
+// checkpointedApp starts an app of mib MiB, checkpoints it and pushes
+// the image as tag of repository app: it returns the app, its last count
+// before the checkpoint, the reference and the snapshot's digest.
+func (e *env) checkpointedApp(t *testing.T, mib int, tag string) (*gvisortest.App, int, string, digest.Digest) {
+	t.Helper()
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: mib})
+	app.NextCount(t)
+	img := app.Checkpoint(t)
+	ref := e.reg.Addr + "/app:" + tag
+	return app, app.LastCount(), ref, e.push(t, img, ref)
+}
+
+// newPuller returns a puller on the env's node cache, closed when the
+// test ends.
+func (e *env) newPuller(t *testing.T) *puller.Puller {
+	t.Helper()
+	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+// goferOptions are Restore's options for app through the gofer in dir.
+func goferOptions(e *env, app *gvisortest.App, dir string, events *[]restore.Event) restore.Options {
+	opts := options(e, app, events)
+	opts.Backend, opts.GoferDir = restore.BackendGofer, dir
+	return opts
+}
+
 // TestRestoreThroughGofer restores a checkpointed app through cryo's
 // checkpoint gofer (no FUSE): the app goes on with its memory hash
 // unchanged, the image dir runsc got held gcs_opts.json and nothing else,
@@ -28,24 +59,13 @@ import (
 func TestRestoreThroughGofer(t *testing.T) {
 	e := newEnv(t)
 	goferDir := gvisortest.GoferDir(t)
-	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
-	app.NextCount(t)
-	img := app.Checkpoint(t)
-	last := app.LastCount()
-	ref := e.reg.Addr + "/app:gofer"
-	d := e.push(t, img, ref)
+	app, last, ref, d := e.checkpointedApp(t, 32, "gofer")
 
 	var log fetchLog
 	src := resolve(t, ref, &log)
-	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := e.newPuller(t)
 	var events []restore.Event
-	opts := options(e, app, &events)
-	opts.Backend = restore.BackendGofer
-	opts.GoferDir = goferDir
+	opts := goferOptions(e, app, goferDir, &events)
 	opts.GoferLog = filepath.Join(t.TempDir(), "gofer.log")
 	var dirFiles []string
 	opts.Progress = func(ev restore.Event) {
@@ -93,8 +113,7 @@ func TestGoferRestoreFailsOverCorruptChunk(t *testing.T) {
 	img := app.Checkpoint(t)
 	last := app.LastCount()
 	ref := e.reg.Addr + "/app:corrupt"
-	d := e.push(t, img, ref)
-	if d2 := e.push(t, img, second.Addr+"/app:corrupt"); d2 != d {
+	if d, d2 := e.push(t, img, ref), e.push(t, img, second.Addr+"/app:corrupt"); d2 != d {
 		t.Fatalf("same image pushed as %s and %s", d, d2)
 	}
 
@@ -129,16 +148,10 @@ func TestGoferRestoreFailsOverCorruptChunk(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
 	var events []restore.Event
-	opts := options(e, app, &events)
-	opts.Backend, opts.GoferDir = restore.BackendGofer, goferDir
+	opts := goferOptions(e, app, goferDir, &events)
 	opts.Stdout, opts.Stderr = containerOutput(t, app)
-	res := e.restoreApp(t, p, src, opts, app, last)
+	res := e.restoreApp(t, e.newPuller(t), src, opts, app, last)
 	if res.Mode != "gofer" {
 		t.Errorf("mode %q, want gofer", res.Mode)
 	}
@@ -160,23 +173,12 @@ func TestGoferRestoreFailsOverCorruptChunk(t *testing.T) {
 func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 	e := newEnv(t)
 	goferDir := gvisortest.GoferDir(t)
-	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
-	app.NextCount(t)
-	img := app.Checkpoint(t)
-	last := app.LastCount()
-	ref := e.reg.Addr + "/app:restart"
-	e.push(t, img, ref)
-
+	app, last, ref, _ := e.checkpointedApp(t, 32, "restart")
 	var log fetchLog
 	src := resolve(t, ref, &log)
-	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := e.newPuller(t)
 	var events []restore.Event
-	opts := options(e, app, &events)
-	opts.Backend, opts.GoferDir = restore.BackendGofer, goferDir
+	opts := goferOptions(e, app, goferDir, &events)
 	opts.Stdout, opts.Stderr = containerOutput(t, app)
 	restarted := make(chan struct{})
 	fetchedBefore := 0
@@ -209,23 +211,14 @@ func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 // (auto) it restores through FUSE instead.
 func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	e := newEnv(t)
-	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 16})
-	app.NextCount(t)
-	img := app.Checkpoint(t)
-	last := app.LastCount()
-	ref := e.reg.Addr + "/app:other-gofer"
-	e.push(t, img, ref)
+	app, last, ref, _ := e.checkpointedApp(t, 16, "other-gofer")
 	const other = "release-20990101.0"
 	goferDir := t.TempDir()
 	fake := "#!/bin/sh\necho 'cryo checkpointgofer, gVisor release " + other + "'\n"
 	if err := os.WriteFile(filepath.Join(goferDir, gofer.Binary), []byte(fake), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	p, err := puller.New(puller.Options{CacheDir: e.cacheDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := e.newPuller(t)
 
 	wrapper, calls := gvisortest.NoRestoreRunsc(t, e.runsc)
 	var events []restore.Event
@@ -233,7 +226,7 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	opts.Runsc, opts.Backend, opts.GoferDir = wrapper, restore.BackendGofer, goferDir
 	ctx, cancel := context.WithTimeout(context.Background(), restoreTimeout)
 	defer cancel()
-	_, err = restore.Restore(ctx, p, resolve(t, ref, &fetchLog{}), opts)
+	_, err := restore.Restore(ctx, p, resolve(t, ref, &fetchLog{}), opts)
 	var ge *gofer.BinaryError
 	if !errors.As(err, &ge) {
 		t.Fatalf("Restore with a gofer of release %s: %v, want a *gofer.BinaryError", other, err)
@@ -265,17 +258,13 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 // image dir whose gcs_opts.json names no cryo process, only the snapshot
 // (reference and index digest): the gofer resolves and fetches it itself,
 // with the node's credentials, and the app goes on with its memory hash
-// unchanged. A config whose index the tag no longer names is refused: the
-// restore fails rather than run another snapshot.
+// unchanged. The gofer fetches the config's index by digest, whatever the
+// tag names now: a config naming a snapshot the registry lacks fails the
+// restore, naming it.
 func TestStandaloneGoferRestore(t *testing.T) {
 	e := newEnv(t)
 	goferDir := gvisortest.GoferDir(t)
-	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
-	app.NextCount(t)
-	img := app.Checkpoint(t)
-	last := app.LastCount()
-	ref := e.reg.Addr + "/app:standalone"
-	d := e.push(t, img, ref)
+	app, last, ref, d := e.checkpointedApp(t, 32, "standalone")
 
 	run := func(index digest.Digest) (*gvisortest.RestoreCmd, string) {
 		dir := filepath.Join(t.TempDir(), "img")
@@ -304,11 +293,12 @@ func TestStandaloneGoferRestore(t *testing.T) {
 		t.Errorf("the gofer did not serve standalone:\n%s", logged)
 	}
 
-	rc, logFile = run(digest.FromString("another snapshot"))
+	other := digest.FromString("another snapshot")
+	rc, logFile = run(other)
 	if err := rc.Wait(restoreTimeout); err == nil {
-		t.Error("runsc restore of a config naming another snapshot than the tag's succeeded")
+		t.Error("runsc restore of a config naming a snapshot the registry lacks succeeded")
 	}
-	if logged, _ := os.ReadFile(logFile); !strings.Contains(string(logged), "refusing to serve another snapshot") {
-		t.Errorf("the gofer's log does not say why it refused:\n%s", logged)
+	if logged, _ := os.ReadFile(logFile); !strings.Contains(string(logged), other.String()) {
+		t.Errorf("the gofer's log does not name the snapshot it could not get:\n%s", logged)
 	}
 }

@@ -93,21 +93,22 @@ const (
 
 // chooseBackend decides between FUSE and the gofer for a snapshot that
 // is not materialized.
-func chooseBackend(ctx context.Context, opts Options, runsc string) (Backend, error) {
+// With auto, it also returns why the gofer is not used, if it is not.
+func chooseBackend(ctx context.Context, opts Options, runsc string) (b Backend, whyNot, err error) {
 	switch opts.Backend {
 	case BackendFUSE:
-		return BackendFUSE, nil
+		return BackendFUSE, nil, nil
 	case "", BackendAuto, BackendGofer:
 	default:
-		return "", fmt.Errorf("restore: backend %q: want auto, fuse or gofer", opts.Backend)
+		return "", nil, fmt.Errorf("restore: backend %q: want auto, fuse or gofer", opts.Backend)
 	}
 	if err := gofer.Check(ctx, opts.GoferDir, runsc); err != nil {
 		if opts.Backend == BackendGofer {
-			return "", fmt.Errorf("%w; or restore with --backend fuse", err)
+			return "", nil, fmt.Errorf("%w; or restore with --backend fuse", err)
 		}
-		return BackendFUSE, nil
+		return BackendFUSE, err, nil
 	}
-	return BackendGofer, nil
+	return BackendGofer, nil, nil
 }
 
 // Step is a point a restore reaches.
@@ -165,6 +166,8 @@ type Event struct {
 	// Err is set when materializing (Materialized) or unmounting
 	// (Unmounted) failed; the restore itself succeeded.
 	Err error
+	// GoferUnused, at Ready, is Result.GoferUnused.
+	GoferUnused error
 }
 
 // Result describes a restore that succeeded.
@@ -188,6 +191,9 @@ type Result struct {
 	MaterializedDir string
 	Materialized    time.Duration
 	MaterializeErr  error
+	// GoferUnused says why BackendAuto did not take the checkpoint gofer
+	// for a snapshot not materialized (nil if it did, or was not asked).
+	GoferUnused error
 }
 
 // VersionError is Restore's refusal of a snapshot checkpointed by another
@@ -257,10 +263,11 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 	if materialized {
 		r.res.Mode = "materialized"
 	} else {
-		backend, err := chooseBackend(ctx, opts, local)
+		backend, whyNot, err := chooseBackend(ctx, opts, local)
 		if err != nil {
 			return nil, err
 		}
+		r.res.GoferUnused = whyNot
 		if backend == BackendGofer {
 			g, err = startGofer(ctx, p, src, mountDir, opts)
 			if err != nil {
@@ -268,7 +275,7 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 			}
 			defer r.releaseGofer(g)
 			m = g.m
-			r.env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+opts.GoferDir)
+			r.env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+g.sidecars)
 		} else {
 			if m, err = p.Mount(ctx, src, mountDir); err != nil {
 				return nil, err
@@ -327,7 +334,11 @@ type run struct {
 func (r *run) report(step Step, dir string, err error) time.Duration {
 	after := time.Since(r.opts.Start)
 	if r.opts.Progress != nil {
-		r.opts.Progress(Event{Step: step, Snapshot: r.res.Snapshot, Mode: r.res.Mode, Dir: dir, After: after, Err: err})
+		ev := Event{Step: step, Snapshot: r.res.Snapshot, Mode: r.res.Mode, Dir: dir, After: after, Err: err}
+		if step == Ready {
+			ev.GoferUnused = r.res.GoferUnused
+		}
+		r.opts.Progress(ev)
 	}
 	return after
 }
@@ -454,16 +465,7 @@ func (s *stdio) started(ok bool) {
 // "runsc version X" first): the version its checkpoints record, and the
 // only one it restores.
 func RunscVersion(ctx context.Context, runsc string) (string, error) {
-	out, err := exec.CommandContext(ctx, runsc, "--version").Output()
-	if err != nil {
-		return "", fmt.Errorf("%s --version: %w", runsc, err)
-	}
-	first, _, _ := strings.Cut(string(out), "\n")
-	v, ok := strings.CutPrefix(strings.TrimSpace(first), "runsc version ")
-	if !ok {
-		return "", fmt.Errorf("%s --version printed %q", runsc, first)
-	}
-	return strings.TrimSpace(v), nil
+	return gofer.VersionLine(ctx, runsc, "runsc version ")
 }
 
 // checkVersion refuses a snapshot whose checkpoint was taken by another
