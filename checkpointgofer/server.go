@@ -29,8 +29,6 @@ var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": 
 const (
 	maxReadBytes = 1 << 20
 	maxParallel  = 48
-	// sweepWindow: see gofer.Classifier.
-	sweepWindow = 2 * maxParallel * maxReadBytes
 )
 
 // server implements stateipc.AsyncFileServerImpl: reads from a
@@ -71,7 +69,7 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 	ctx, cancel := context.WithCancel(s.ctx)
 	r := &reader{s: s, path: path, size: size, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
 	if path == "pages.img" {
-		r.classify = &gofer.Classifier{Window: sweepWindow}
+		r.classify = &gofer.Classifier{}
 	}
 	s.log.Info("open", "path", path, "size", size)
 	return r, nil

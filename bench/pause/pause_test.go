@@ -82,6 +82,10 @@ func BenchmarkPause(b *testing.B) {
 			os.RemoveAll(img)
 
 			args := []string{"checkpoint", "--json", "--leave-running", "--runsc", runsc, "--gofer-dir", goferDir}
+			if prof := os.Getenv("CRYO_BENCH_CPUPROFILE"); prof != "" {
+				// For investigations: profile each cryo checkpoint.
+				args = append(args, "--cpuprofile", fmt.Sprintf("%s.%d-%d", prof, mib, n))
+			}
 			for _, f := range app.Flags() {
 				args = append(args, "--runsc-flag="+f)
 			}

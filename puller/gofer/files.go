@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -376,28 +377,61 @@ func (c *Client) retry(ctx context.Context, path string, op func() (retry bool, 
 
 // Classifier tells the reads of pages.img a sandbox waits on (gVisor's
 // priority reads: the mapping windows around page faults, up to 32 MiB
-// each, anywhere in the file) from its background sweep, which reads
-// ascending offsets with many reads in flight. A read within Window of
-// the sweep's frontier (the end of the last sweep read) is the sweep's
-// and moves the frontier; any other is a fault. A fault next to the
-// frontier is taken for the sweep; that costs nothing, as the sweep's
-// next chunks are fetched first anyway.
+// each, anywhere in the file) from its background sweep. The sweep reads
+// the file in ascending order and skips only what was already asked for
+// (by priority reads); so a read is the sweep's if it starts where the
+// sweep's last read ended, or past only bytes already asked for, and any
+// other read is a fault. Reads must be classified in the order the sentry
+// submits them. It is not safe for concurrent use.
 type Classifier struct {
-	// Window is how far from the frontier a read still counts as the
-	// sweep's: the bytes the sweep keeps in flight, and more.
-	Window int64
-
-	mu       sync.Mutex
+	// frontier is where the sweep's next read starts: the end of its last
+	// read, moved past what was asked for since.
 	frontier int64
+	// asked are the ranges asked for, sorted, disjoint, not adjacent.
+	asked []span
 }
+
+type span struct{ start, end int64 }
 
 // Classify returns the priority of a read of n bytes at off.
 func (c *Classifier) Classify(off, n int64) fetch.Priority {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if off+n < c.frontier-c.Window || off > c.frontier+c.Window {
-		return fetch.Fault
+	prio := fetch.Fault
+	if off >= c.frontier && c.covered(c.frontier, off) {
+		prio = fetch.Read
 	}
-	c.frontier = max(c.frontier, off+n)
-	return fetch.Read
+	c.add(off, off+n)
+	if prio == fetch.Read {
+		c.frontier = off + n
+	}
+	// Past what priority reads have asked for: the sweep skips it.
+	if i := c.find(c.frontier); i < len(c.asked) && c.asked[i].start <= c.frontier {
+		c.frontier = max(c.frontier, c.asked[i].end)
+	}
+	return prio
+}
+
+// find returns the index of the first span ending after off.
+func (c *Classifier) find(off int64) int {
+	return sort.Search(len(c.asked), func(i int) bool { return c.asked[i].end > off })
+}
+
+// covered reports whether [from, to) was asked for whole.
+func (c *Classifier) covered(from, to int64) bool {
+	if from >= to {
+		return true
+	}
+	i := c.find(from)
+	return i < len(c.asked) && c.asked[i].start <= from && c.asked[i].end >= to
+}
+
+// add records [start, end) as asked for, merging it with the spans it
+// overlaps or touches.
+func (c *Classifier) add(start, end int64) {
+	i := sort.Search(len(c.asked), func(i int) bool { return c.asked[i].end >= start })
+	j := i
+	for j < len(c.asked) && c.asked[j].start <= end {
+		start, end = min(start, c.asked[j].start), max(end, c.asked[j].end)
+		j++
+	}
+	c.asked = append(c.asked[:i], append([]span{{start, end}}, c.asked[j:]...)...)
 }

@@ -82,23 +82,41 @@ func TestParseRange(t *testing.T) {
 }
 
 func TestClassifier(t *testing.T) {
-	c := Classifier{Window: 8 << 20}
+	var c Classifier
 	mib := int64(1 << 20)
 	for i, tc := range []struct {
 		off  int64
 		want fetch.Priority
 	}{
+		{44 * mib, fetch.Fault},  // a fault window before the sweep starts
+		{45 * mib, fetch.Fault},  // and the rest of it
 		{0, fetch.Read},          // the sweep starts
 		{1 * mib, fetch.Read},    // and goes on
 		{500 * mib, fetch.Fault}, // a fault far ahead
 		{2 * mib, fetch.Read},    // the sweep again: the fault did not move it
-		{9 * mib, fetch.Read},    // a jump within the window (past loaded pages)
-		{40 * mib, fetch.Fault},  // beyond it
-		{0, fetch.Fault},         // far behind the frontier
+		{3 * mib, fetch.Read},
+		{10 * mib, fetch.Fault}, // near the sweep, but past bytes not asked for
+		{4 * mib, fetch.Read},
+		{5 * mib, fetch.Read},
+		{6 * mib, fetch.Read},
+		{7 * mib, fetch.Read},
+		{8 * mib, fetch.Read},
+		{9 * mib, fetch.Read},
+		{11 * mib, fetch.Read}, // the sweep skips 10 MiB, which a fault asked for
+		{2 * mib, fetch.Fault}, // behind the sweep
 	} {
 		if got := c.Classify(tc.off, mib); got != tc.want {
 			t.Errorf("read %d at %d MiB: %v, want %v", i, tc.off/mib, got, tc.want)
 		}
+	}
+	// The sweep reaches the fault window at 44-46 MiB and skips it.
+	for off := 12 * mib; off < 44*mib; off += mib {
+		if got := c.Classify(off, mib); got != fetch.Read {
+			t.Fatalf("sweep read at %d MiB: %v", off/mib, got)
+		}
+	}
+	if got := c.Classify(46*mib, mib); got != fetch.Read {
+		t.Errorf("sweep read after the fault window: %v, want read", got)
 	}
 }
 
@@ -196,5 +214,34 @@ func TestInstall(t *testing.T) {
 	}
 	if err := Install(src, filepath.Join(t.TempDir(), "gvisor-bin")); err == nil || !strings.Contains(err.Error(), "gVisor's own") {
 		t.Errorf("install into a gvisor-bin dir: %v, want a refusal", err)
+	}
+}
+
+// TestSidecarDir gives runsc a sidecar dir beside a fake runsc whose
+// gvisor-bin/ holds gVisor's own gofer and sentry: the dir made links
+// cryo's gofer and runsc's sentry, never gVisor's gofer.
+func TestSidecarDir(t *testing.T) {
+	root := t.TempDir()
+	runsc := filepath.Join(root, "bin", "runsc")
+	for _, f := range []string{runsc, filepath.Join(root, "bin", "gvisor-bin", "gvisor_sentry"), filepath.Join(root, "bin", "gvisor-bin", Binary), filepath.Join(root, "cryo-gofer", Binary)} {
+		if err := os.MkdirAll(filepath.Dir(f), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(f, []byte(f), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dir, err := SidecarDir(filepath.Join(root, "sidecars"), filepath.Join(root, "cryo-gofer"), runsc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{Binary: filepath.Join(root, "cryo-gofer", Binary), "gvisor_sentry": filepath.Join(root, "bin", "gvisor-bin", "gvisor_sentry")} {
+		got, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil || string(got) != want {
+			t.Errorf("%s in the sidecar dir: %q, %v; want the file %s", name, got, err, want)
+		}
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 2 {
+		t.Errorf("sidecar dir holds %v, want 2 links", ents)
 	}
 }
