@@ -43,9 +43,10 @@ type Options struct {
 	CacheDir string
 	// CacheCap bounds the node cache in bytes (0: no cap).
 	CacheCap int64
-	// Workers, Deadline: see fetch.Options.
-	Workers  int
-	Deadline time.Duration
+	// Workers, Deadline, WriteBuffer: see fetch.Options.
+	Workers     int
+	Deadline    time.Duration
+	WriteBuffer int64
 	// NoFUSE forces the eager fallback even where /dev/fuse exists.
 	NoFUSE bool
 	// SmallFileLimit: files other than pages.img up to this size are held
@@ -268,7 +269,7 @@ func (l *load) prepare(ctx context.Context) error {
 	}
 	l.p.cache.Pin(l.pinned)
 	o := l.p.opts
-	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})
+	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})
 	return nil
 }
 

@@ -75,7 +75,7 @@ checks before it starts runsc. Credentials: as cryo push.`,
 	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "runsc binary")
 	cmd.Flags().StringArrayVar(&runscFlags, "runsc-flag", nil, "global runsc flag, e.g. --runsc-flag=--root=/run/runsc (repeatable)")
 	cmd.Flags().BoolVar(&leaveRunning, "leave-running", false, "keep the sandbox running after the checkpoint (runsc checkpoint --leave-running)")
-	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer (default $CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
+	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
 	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only)")

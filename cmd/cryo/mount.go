@@ -24,6 +24,7 @@ type pullerFlags struct {
 	noFUSE    bool
 	workers   int
 	deadline  time.Duration
+	writeBuf  int64
 	prefetch  string
 	readLog   string
 	// client is shared by every reference resolved (the daemon's too),
@@ -40,13 +41,14 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 	fl.BoolVar(&f.noFUSE, "no-fuse", false, "do not use FUSE: pull the whole snapshot before returning")
 	fl.IntVar(&f.workers, "workers", 12, "chunks fetched at once")
 	fl.DurationVar(&f.deadline, "deadline", 5*time.Minute, "how long a chunk is retried before its read fails")
+	fl.Int64Var(&f.writeBuf, "cache-write-buffer", 64<<20, "bytes of fetched chunks a mount queues in memory for the node cache's disk; fetching waits while it is full, so a disk slower than the link slows loading down (more buffer: more memory, less wait)")
 	fl.StringVar(&f.readLog, "read-log", "", "write a line per read of the snapshot (FUSE or gofer: file, offset, length, start, duration) to this file, to see where a restore waits")
 	fl.StringVar(&f.prefetch, "prefetch-list", "", `JSON file of byte ranges to load first, in order: [{"path": "pages.img", "offset": 0, "length": 1048576}, ...]`)
 }
 
 // options are the puller's options from the flags.
 func (f *pullerFlags) options() (puller.Options, error) {
-	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, NoFUSE: f.noFUSE}
+	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, WriteBuffer: f.writeBuf, NoFUSE: f.noFUSE}
 	if f.readLog != "" {
 		w, err := os.Create(f.readLog)
 		if err != nil {
@@ -239,7 +241,7 @@ gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 	cmd.Flags().StringArrayVar(&runscFlags, "runsc-flag", nil, "global runsc flag, e.g. --runsc-flag=--root=/run/runsc (repeatable)")
 	cmd.Flags().StringVar(&mountDir, "mount-dir", "", "where to mount the snapshot (default: <cache>/mounts/<container id>)")
 	cmd.Flags().StringVar(&backend, "backend", string(restore.BackendAuto), "how runsc reads a snapshot not materialized on the node: gofer, fuse or auto (the gofer if --gofer-dir has one of runsc's release)")
-	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer (default $CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
+	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().SetInterspersed(false)
 	return cmd
