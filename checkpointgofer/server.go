@@ -271,7 +271,9 @@ func (w *writer) run() {
 				break
 			}
 			if _, err = w.up.Write(b); err != nil {
-				if !errors.Is(err, errAborted) {
+				// After Close's abort a write fails with io.ErrClosedPipe:
+				// nothing to report then.
+				if !w.failed.Load() {
 					w.s.log.Error("write failed: the checkpoint fails", "path", w.path, "err", err)
 				}
 				w.failed.Store(true)

@@ -51,7 +51,7 @@ func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (go
 		return fail(fmt.Errorf("%s resolved to snapshot %s, the gofer's config names %s: refusing to serve another snapshot", ref, src.Index.Digest, cfg.Index))
 	}
 	// The gofer runs in the sandbox's cgroup: hold little in memory.
-	p, err := puller.New(puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log, SmallFilesCap: 16 << 20})
+	p, err := puller.New(puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log, SmallFilesCap: 16 << 20, WriteBuffer: 16 << 20})
 	if err != nil {
 		return fail(err)
 	}

@@ -248,10 +248,10 @@ func (pk *Packer) Finish(ctx context.Context) (ocispec.Descriptor, *PackStats, e
 	paths := make([]string, 0, len(pk.files))
 	for path, descs := range pk.files {
 		if err := pk.failed[path]; err != nil {
-			return ocispec.Descriptor{}, nil, fmt.Errorf("%s failed: %w", path, err)
+			return ocispec.Descriptor{}, nil, fmt.Errorf("%s failed: %w: %w", path, ErrInvalid, err)
 		}
 		if descs == nil {
-			return ocispec.Descriptor{}, nil, fmt.Errorf("%s is still being packed", path)
+			return ocispec.Descriptor{}, nil, fmt.Errorf("%s is still being packed: %w", path, ErrInvalid)
 		}
 		paths = append(paths, path)
 	}

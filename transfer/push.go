@@ -64,6 +64,10 @@ type Pusher struct {
 	pk       *format.Packer
 	resolver *indexResolver
 	start    time.Time
+	// index and stats, once the index is pushed: Finish tries the tag
+	// again without packing again.
+	index *ocispec.Descriptor
+	stats *format.PackStats
 }
 
 // NewPusher returns a Pusher into repo. Call Close when done with it.
@@ -88,12 +92,19 @@ func (p *Pusher) AddFile(ctx context.Context, path string, mode fs.FileMode, r i
 }
 
 // Finish pushes the snapshot index, checks that the registry has it, and
-// then, only then, tags it.
+// then, only then, tags it. It may be called again after it failed: the
+// index is pushed once, the check and the tag are tried again. A snapshot
+// that cannot be finished (a file failed, or is still being added) is an
+// error that wraps format.ErrInvalid; trying again does not help.
 func (p *Pusher) Finish(ctx context.Context, tag string) (*PushResult, error) {
-	desc, st, err := p.pk.Finish(ctx)
-	if err != nil {
-		return nil, explain(fmt.Errorf("push to %s: %w", p.repo.Reference, err), p.repo)
+	if p.index == nil {
+		desc, st, err := p.pk.Finish(ctx)
+		if err != nil {
+			return nil, explain(fmt.Errorf("push to %s: %w", p.repo.Reference, err), p.repo)
+		}
+		p.index, p.stats = &desc, st
 	}
+	desc, st := *p.index, p.stats
 	if _, err := p.repo.Resolve(ctx, desc.Digest.String()); err != nil {
 		return nil, fmt.Errorf("snapshot index %s not in the registry after its push: %w", desc.Digest, err)
 	}

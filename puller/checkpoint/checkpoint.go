@@ -29,6 +29,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/restore"
 	"github.com/cryo-oci/cryo/transfer"
@@ -151,8 +152,10 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	// Without --leave-running the sandbox is gone by now: the snapshot is
 	// all that is left of it, so a registry hiccup here is retried.
 	var res *transfer.PushResult
-	for try, wait := 1, time.Second; ; try, wait = try+1, 2*wait {
-		if res, err = pusher.Finish(ctx, opts.Tag); err == nil || try == finishTries || ctx.Err() != nil {
+	try := 1
+	for wait := time.Second; ; try, wait = try+1, 2*wait {
+		res, err = pusher.Finish(ctx, opts.Tag)
+		if err == nil || errors.Is(err, format.ErrInvalid) || try == finishTries || ctx.Err() != nil {
 			break
 		}
 		select {
@@ -160,8 +163,11 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 		case <-ctx.Done():
 		}
 	}
+	if errors.Is(err, format.ErrInvalid) {
+		return nil, fmt.Errorf("the snapshot cannot be finished: %w%s", err, sink.failures())
+	}
 	if err != nil {
-		return nil, fmt.Errorf("every file is in the registry, but the snapshot index or its tag is not (%d tries): %w", finishTries, err)
+		return nil, fmt.Errorf("every file is in the registry, but the snapshot index or its tag is not (%d tries): %w", try, err)
 	}
 	return &Result{PushResult: *res, Checkpointed: checkpointed, Pushed: time.Since(start), Files: files}, nil
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -219,7 +220,15 @@ func (c *Client) Size(ctx context.Context, path string) (int64, error) {
 // client's deadline: bytes arrive only once the server verified them, so
 // what is read is kept.
 func (c *Client) ReadAt(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) error {
-	rest := dsts
+	// Pieces of at most MaxRange bytes, none empty.
+	var rest [][]byte
+	for _, d := range dsts {
+		for len(d) > 0 {
+			k := min(len(d), MaxRange)
+			rest = append(rest, d[:k])
+			d = d[k:]
+		}
+	}
 	return c.retry(ctx, path, func() (bool, error) {
 		for len(rest) > 0 {
 			// At most MaxRange bytes per request.
@@ -378,11 +387,15 @@ func (c *Client) retry(ctx context.Context, path string, op func() (retry bool, 
 // Classifier tells the reads of pages.img a sandbox waits on (gVisor's
 // priority reads: the mapping windows around page faults, up to 32 MiB
 // each, anywhere in the file) from its background sweep. The sweep reads
-// the file in ascending order and skips only what was already asked for
-// (by priority reads); so a read is the sweep's if it starts where the
-// sweep's last read ended, or past only bytes already asked for, and any
-// other read is a fault. Reads must be classified in the order the sentry
-// submits them. It is not safe for concurrent use.
+// the file in ascending order and skips what priority reads asked for
+// (and pages freed before they were loaded, which nobody asks for); so a
+// read is the sweep's if it starts where the sweep's last read ended, past
+// only bytes already asked for and at most SweepGap bytes nobody asked
+// for (a fault that close to the sweep is taken for it: its bytes come
+// next anyway). Any other read is a fault. Freed ranges of more than
+// SweepGap in all leave the rest of the sweep classified as faults:
+// served first, newest first, with the app's real faults among them. Reads must be classified
+// in the order the sentry submits them. It is not safe for concurrent use.
 type Classifier struct {
 	// frontier is where the sweep's next read starts: the end of its last
 	// read, moved past what was asked for since.
@@ -391,17 +404,28 @@ type Classifier struct {
 	asked []span
 }
 
+// SweepGap is how many bytes nobody asked for the sweep may skip (pages
+// freed before they were loaded) and still be taken for the sweep.
+const SweepGap = 16 << 20
+
 type span struct{ start, end int64 }
 
 // Classify returns the priority of a read of n bytes at off.
 func (c *Classifier) Classify(off, n int64) fetch.Priority {
 	prio := fetch.Fault
-	if off >= c.frontier && c.covered(c.frontier, off) {
-		prio = fetch.Read
+	gap := int64(-1)
+	if off >= c.frontier {
+		gap = c.unasked(c.frontier, off)
 	}
 	c.add(off, off+n)
-	if prio == fetch.Read {
-		c.frontier = off + n
+	switch {
+	case gap == 0:
+		prio, c.frontier = fetch.Read, off+n
+	case gap > 0 && gap <= SweepGap:
+		// The sweep past freed pages, or a fault just ahead of it: taken
+		// for the sweep, but the frontier stays, so that the sweep's own
+		// next read is not taken for a fault if this was one.
+		prio = fetch.Read
 	}
 	// Past what priority reads have asked for: the sweep skips it.
 	if i := c.find(c.frontier); i < len(c.asked) && c.asked[i].start <= c.frontier {
@@ -410,18 +434,25 @@ func (c *Classifier) Classify(off, n int64) fetch.Priority {
 	return prio
 }
 
+// unasked returns how many bytes of [from, to) nobody asked for, counting
+// at most SweepGap+1.
+func (c *Classifier) unasked(from, to int64) int64 {
+	var n int64
+	for i := c.find(from); from < to && n <= SweepGap; i++ {
+		if i == len(c.asked) || c.asked[i].start >= to {
+			return n + (to - from)
+		}
+		if c.asked[i].start > from {
+			n += c.asked[i].start - from
+		}
+		from = c.asked[i].end
+	}
+	return n
+}
+
 // find returns the index of the first span ending after off.
 func (c *Classifier) find(off int64) int {
 	return sort.Search(len(c.asked), func(i int) bool { return c.asked[i].end > off })
-}
-
-// covered reports whether [from, to) was asked for whole.
-func (c *Classifier) covered(from, to int64) bool {
-	if from >= to {
-		return true
-	}
-	i := c.find(from)
-	return i < len(c.asked) && c.asked[i].start <= from && c.asked[i].end >= to
 }
 
 // add records [start, end) as asked for, merging it with the spans it
@@ -433,5 +464,5 @@ func (c *Classifier) add(start, end int64) {
 		start, end = min(start, c.asked[j].start), max(end, c.asked[j].end)
 		j++
 	}
-	c.asked = append(c.asked[:i], append([]span{{start, end}}, c.asked[j:]...)...)
+	c.asked = slices.Replace(c.asked, i, j, span{start, end})
 }

@@ -332,8 +332,8 @@ func Install(src, dir string) error {
 // for every sidecar it starts (the sentry, its prewarmer, the metric
 // server), not only for the checkpoint gofer. So dir gets a link to cryo's
 // gofer in goferDir and a link to each of runsc's other sidecars, from
-// the gvisor-bin/ beside runsc (or beside the file it links to), if there
-// is one. It returns dir.
+// the gvisor-bin/ beside the file runsc is (links resolved), if there is
+// one. It returns dir, which must stay while runsc may start sidecars.
 func SidecarDir(dir, goferDir, runsc string) (string, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", fmt.Errorf("sidecar dir: %w", err)
@@ -356,30 +356,27 @@ func SidecarDir(dir, goferDir, runsc string) (string, error) {
 	return dir, nil
 }
 
-// runscSidecars lists the files of the gvisor-bin/ dir runsc itself would
-// use (gVisor's gvisorbinaries.resolveDir, without the variable): beside
-// runsc, else beside the file runsc links to.
+// runscSidecars lists the files of the gvisor-bin/ dir runsc itself
+// would use without the variable: beside the file runsc is, links
+// resolved (gVisor's gvisorbinaries.resolveDir sees /proc/self/exe).
 func runscSidecars(runsc string) []string {
 	if p, err := exec.LookPath(runsc); err == nil {
 		runsc = p
 	}
-	runsc, _ = filepath.Abs(runsc)
-	dirs := []string{filepath.Join(filepath.Dir(runsc), "gvisor-bin")}
-	if real, err := filepath.EvalSymlinks(runsc); err == nil {
-		dirs = append(dirs, filepath.Join(filepath.Dir(real), "gvisor-bin"))
+	real, err := filepath.EvalSymlinks(runsc)
+	if err != nil {
+		return nil
 	}
-	for _, d := range dirs {
-		ents, err := os.ReadDir(d)
-		if err != nil {
-			continue
-		}
-		var out []string
-		for _, e := range ents {
-			if !e.IsDir() {
-				out = append(out, filepath.Join(d, e.Name()))
-			}
-		}
-		return out
+	d := filepath.Join(filepath.Dir(real), "gvisor-bin")
+	ents, err := os.ReadDir(d)
+	if err != nil {
+		return nil
 	}
-	return nil
+	var out []string
+	for _, e := range ents {
+		if !e.IsDir() {
+			out = append(out, filepath.Join(d, e.Name()))
+		}
+	}
+	return out
 }
