@@ -21,13 +21,13 @@ import (
 var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": true, "pages.img": true}
 
 // Read sizes and parallelism the gofer offers the sentry. The sentry
-// reads pages.img in pieces of at most maxReadBytes, maxParallel at a
+// reads pages.img in pieces of at most maxIOBytes, maxParallel at a
 // time: 1 MiB pieces (cryo's chunk size) 48 at a time keep 48 MiB in
 // flight, more than one 32 MiB mapping window, in as many requests as
 // chunks. The bytes land in the sandbox's memory file, mapped by the
 // stateipc server: the gofer holds no buffer of its own.
 const (
-	maxReadBytes = 1 << 20
+	maxIOBytes = 1 << 20
 	maxParallel  = 48
 )
 
@@ -110,11 +110,11 @@ type reader struct {
 var _ stateio.AsyncReader = (*reader)(nil)
 
 // MaxReadBytes implements stateio.AsyncReader.MaxReadBytes.
-func (r *reader) MaxReadBytes() uint64 { return maxReadBytes }
+func (r *reader) MaxReadBytes() uint64 { return maxIOBytes }
 
 // MaxRanges implements stateio.AsyncReader.MaxRanges: one range per page
 // of a read, as gVisor's own pages file reader offers.
-func (r *reader) MaxRanges() int { return maxReadBytes / unix.Getpagesize() }
+func (r *reader) MaxRanges() int { return maxIOBytes / unix.Getpagesize() }
 
 // MaxParallel implements stateio.AsyncReader.MaxParallel.
 func (r *reader) MaxParallel() int { return maxParallel }
@@ -237,10 +237,10 @@ type writeJob struct {
 }
 
 // MaxWriteBytes implements stateio.AsyncWriter.MaxWriteBytes.
-func (w *writer) MaxWriteBytes() uint64 { return maxReadBytes }
+func (w *writer) MaxWriteBytes() uint64 { return maxIOBytes }
 
 // MaxRanges implements stateio.AsyncWriter.MaxRanges.
-func (w *writer) MaxRanges() int { return maxReadBytes / unix.Getpagesize() }
+func (w *writer) MaxRanges() int { return maxIOBytes / unix.Getpagesize() }
 
 // MaxParallel implements stateio.AsyncWriter.MaxParallel.
 func (w *writer) MaxParallel() int { return maxParallel }

@@ -20,7 +20,6 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -102,30 +101,17 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	defer pusher.Close()
 	sink := &countingSink{sink: pusher, files: map[string]int64{}}
 
-	work, err := os.MkdirTemp("", "cryo-checkpoint-")
-	if err != nil {
-		return nil, err
-	}
-	defer os.RemoveAll(work)
-	sidecars, err := gofer.SidecarDir(filepath.Join(work, "sidecars"), opts.GoferDir, opts.Runsc)
-	if err != nil {
-		return nil, err
-	}
-	sock := filepath.Join(work, "upload.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		return nil, fmt.Errorf("upload socket %s (a unix socket path must be short: set TMPDIR to a short dir): %w", sock, err)
-	}
 	mux := http.NewServeMux()
 	gofer.RegisterUploads(mux, func(id string) (gofer.Sink, bool) { return sink, id == sessionID })
-	srv := &http.Server{Handler: mux}
-	go srv.Serve(ln)
-	defer srv.Close()
-
-	img := filepath.Join(work, "img")
+	session, err := gofer.StartSession(opts.GoferDir, opts.Runsc, mux)
+	if err != nil {
+		return nil, err
+	}
+	defer session.Close()
+	img := filepath.Join(session.Dir, "img")
 	ref := opts.Repo.Reference
 	ref.Reference = opts.Tag
-	if err := gofer.WriteImageDir(img, gofer.Config{MediaType: gofer.MediaType, Reference: ref.String(), Checkpoint: true, Socket: sock, Mount: sessionID, Log: opts.GoferLog}); err != nil {
+	if err := gofer.WriteImageDir(img, gofer.Config{MediaType: gofer.MediaType, Reference: ref.String(), Checkpoint: true, Socket: session.Socket, Mount: sessionID, Log: opts.GoferLog}); err != nil {
 		return nil, err
 	}
 	args := append(append([]string{}, opts.RunscFlags...), "checkpoint", "--image-path="+img, "--compression=none")
@@ -133,7 +119,7 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 		args = append(args, "--leave-running")
 	}
 	cmd := exec.CommandContext(ctx, opts.Runsc, append(args, opts.ContainerID)...)
-	cmd.Env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+sidecars)
+	cmd.Env = append(os.Environ(), session.Env())
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	if opts.Stderr != nil {

@@ -55,12 +55,15 @@ type Lookup func(id string) (Files, digest.Digest, bool)
 
 // RegisterFiles adds the file API to mux.
 func RegisterFiles(mux *http.ServeMux, lookup Lookup) {
-	h := func(w http.ResponseWriter, r *http.Request) { serveFile(w, r, lookup) }
+	// Buffers of the usual read's size (the gofer reads 1 MiB at a time)
+	// are used again, not allocated per request.
+	bufs := &sync.Pool{New: func() any { b := make([]byte, 0, 1<<20); return &b }}
+	h := func(w http.ResponseWriter, r *http.Request) { serveFile(w, r, lookup, bufs) }
 	mux.HandleFunc("GET /v1/mounts/{id}/files/{path...}", h)
 	mux.HandleFunc("HEAD /v1/mounts/{id}/files/{path...}", h)
 }
 
-func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup) {
+func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync.Pool) {
 	files, d, ok := lookup(r.PathValue("id"))
 	if !ok {
 		http.Error(w, "no mount "+r.PathValue("id"), http.StatusNotFound)
@@ -93,7 +96,12 @@ func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup) {
 		http.Error(w, fmt.Sprintf("%s %q: want fault or read", PriorityHeader, p), http.StatusBadRequest)
 		return
 	}
-	buf := make([]byte, end-start)
+	bp := bufs.Get().(*[]byte)
+	defer bufs.Put(bp)
+	if int64(cap(*bp)) < end-start {
+		*bp = make([]byte, end-start)
+	}
+	buf := (*bp)[:end-start]
 	// A sandbox's read must not fail because its reader went away and came
 	// back: the fetch scheduler's deadline bounds the wait, not the request.
 	if err := files.ReadAt(context.WithoutCancel(r.Context()), path, buf, start, prio); err != nil {
@@ -150,8 +158,8 @@ type Client struct {
 const DefaultDeadline = 5 * time.Minute
 
 // NewClient returns a Client of mount (or checkpoint session) id on the
-// unix socket, that reads snapshot index only. deadline bounds each read's retries (0:
-// DefaultDeadline).
+// unix socket, that reads snapshot index only. deadline bounds each
+// read's retries (0: DefaultDeadline).
 func NewClient(socket, id string, index digest.Digest, deadline time.Duration) *Client {
 	if deadline <= 0 {
 		deadline = DefaultDeadline
@@ -231,7 +239,6 @@ func (c *Client) ReadAt(ctx context.Context, path string, dsts [][]byte, off int
 	}
 	return c.retry(ctx, path, func() (bool, error) {
 		for len(rest) > 0 {
-			// At most MaxRange bytes per request.
 			var batch [][]byte
 			n := 0
 			for _, d := range rest {
@@ -250,7 +257,7 @@ func (c *Client) ReadAt(ctx context.Context, path string, dsts [][]byte, off int
 					rest = rest[1:]
 					continue
 				}
-				rest = append([][]byte{rest[0][got:]}, rest[1:]...)
+				rest[0] = rest[0][got:] // rest is ReadAt's own slice
 				got = 0
 			}
 			if err != nil {
@@ -394,8 +401,9 @@ func (c *Client) retry(ctx context.Context, path string, op func() (retry bool, 
 // for (a fault that close to the sweep is taken for it: its bytes come
 // next anyway). Any other read is a fault. Freed ranges of more than
 // SweepGap in all leave the rest of the sweep classified as faults:
-// served first, newest first, with the app's real faults among them. Reads must be classified
-// in the order the sentry submits them. It is not safe for concurrent use.
+// served first, newest first, with the app's real faults among them.
+// Reads must be classified in the order the sentry submits them. It is
+// not safe for concurrent use.
 type Classifier struct {
 	// frontier is where the sweep's next read starts: the end of its last
 	// read, moved past what was asked for since.

@@ -275,7 +275,7 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 			}
 			defer r.releaseGofer(g)
 			m = g.m
-			r.env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+g.sidecars)
+			r.env = append(os.Environ(), g.session.Env())
 		} else {
 			if m, err = p.Mount(ctx, src, mountDir); err != nil {
 				return nil, err
