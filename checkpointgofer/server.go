@@ -27,8 +27,8 @@ var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": 
 // chunks. The bytes land in the sandbox's memory file, mapped by the
 // stateipc server: the gofer holds no buffer of its own.
 const (
-	maxIOBytes = 1 << 20
-	maxParallel  = 48
+	maxIOBytes  = 1 << 20
+	maxParallel = 48
 )
 
 // server implements stateipc.AsyncFileServerImpl: reads from a
