@@ -1,5 +1,7 @@
 package format
 
+import "fmt"
+
 // Media types and artifact types of a cryo snapshot. See SPEC.md.
 const (
 	// ArtifactTypeSnapshot is the artifactType of a snapshot's image index.
@@ -15,6 +17,78 @@ const (
 	// zstd frame.
 	MediaTypeChunkZstd = "application/vnd.cryo.chunk.v1+zstd"
 )
+
+// Media types and artifact types of format v2 (SPEC.md section 15): small
+// chunks stored as frames in pack blobs, read by byte range.
+const (
+	// ArtifactTypeSnapshotV2 is the artifactType of a v2 snapshot's index.
+	ArtifactTypeSnapshotV2 = "application/vnd.cryo.snapshot.v2"
+	// ArtifactTypeFileV2 is the artifactType of a v2 file part's manifest.
+	ArtifactTypeFileV2 = "application/vnd.cryo.file.v2"
+	// MediaTypeChunkTableV2 is the media type of a v2 chunk table.
+	MediaTypeChunkTableV2 = "application/vnd.cryo.chunktable.v2+json"
+	// MediaTypePack is the media type of a pack: consecutive chunk
+	// frames, each decodable on its own.
+	MediaTypePack = "application/vnd.cryo.pack.v2"
+)
+
+// Version is a version of the snapshot format.
+type Version int
+
+// The format versions.
+const (
+	// V1 stores every chunk as a blob of its own (1 MiB chunks).
+	V1 Version = 1
+	// V2 stores small chunks as frames of pack blobs (SPEC.md section 15).
+	V2 Version = 2
+)
+
+// String is "v1" or "v2".
+func (v Version) String() string { return fmt.Sprintf("v%d", int(v)) }
+
+// ParseVersion parses "v1" or "v2" (or "1", "2").
+func ParseVersion(s string) (Version, error) {
+	switch s {
+	case "v1", "1":
+		return V1, nil
+	case "v2", "2":
+		return V2, nil
+	}
+	return 0, fmt.Errorf("format %q: want v1 or v2", s)
+}
+
+// snapshotArtifactType, fileArtifactType and tableMediaType are the types
+// of version v.
+func (v Version) snapshotArtifactType() string {
+	if v == V2 {
+		return ArtifactTypeSnapshotV2
+	}
+	return ArtifactTypeSnapshot
+}
+
+func (v Version) fileArtifactType() string {
+	if v == V2 {
+		return ArtifactTypeFileV2
+	}
+	return ArtifactTypeFile
+}
+
+func (v Version) tableMediaType() string {
+	if v == V2 {
+		return MediaTypeChunkTableV2
+	}
+	return MediaTypeChunkTable
+}
+
+// IsSnapshotArtifactType reports whether t is the artifactType of a
+// snapshot index of some version this package reads.
+func IsSnapshotArtifactType(t string) bool {
+	return t == ArtifactTypeSnapshot || t == ArtifactTypeSnapshotV2
+}
+
+// IsFileArtifactType reports whether t is the artifactType of a file part
+// manifest of some version this package reads.
+func IsFileArtifactType(t string) bool { return t == ArtifactTypeFile || t == ArtifactTypeFileV2 }
 
 // Annotation keys. Values are strings, as OCI requires.
 const (

@@ -59,8 +59,14 @@ type PackOptions struct {
 	OnChunk func(c Chunk, uploaded bool)
 	// Resolver, if set, is asked for every non-zero chunk before it is
 	// compressed, and may name a blob that dst already has (or can get
-	// without an upload, such as by a cross-repository mount) for it.
+	// without an upload, such as by a cross-repository mount) for it. In
+	// format v2 it names a frame of a pack dst has.
 	Resolver ChunkResolver
+	// Format is the format version written (default V1).
+	Format Version
+	// PackSize is the size format v2 fills packs to (default
+	// DefaultPackSize, at most MaxPackSize).
+	PackSize int
 }
 
 // ChunkResolver finds, by a chunk's uncompressed digest, a blob that carries
@@ -88,10 +94,13 @@ type PackStats struct {
 	// UploadedBytes is the size of the chunk blobs pushed to the store
 	// because it did not have them yet.
 	UploadedBytes int64 `json:"uploadedBytes"`
-	// BlobsUploaded and BlobsSkipped count distinct chunk blobs pushed and
-	// found already present.
+	// BlobsUploaded and BlobsSkipped count distinct chunk blobs (format
+	// v2: packs) pushed and found already present.
 	BlobsUploaded int `json:"blobsUploaded"`
 	BlobsSkipped  int `json:"blobsSkipped"`
+	// ReusedBytes is the stored size of the distinct chunks (format v2)
+	// the snapshot references in packs that were stored before it.
+	ReusedBytes int64 `json:"reusedBytes"`
 }
 
 // Pack chunks and encodes the image dir dir, stores every blob, manifest and
@@ -259,14 +268,14 @@ func (pk *Packer) Finish(ctx context.Context) (ocispec.Descriptor, *PackStats, e
 	idx := ocispec.Index{
 		Versioned:    specsVersioned,
 		MediaType:    ocispec.MediaTypeImageIndex,
-		ArtifactType: ArtifactTypeSnapshot,
+		ArtifactType: pk.p.opts.Format.snapshotArtifactType(),
 		Manifests:    []ocispec.Descriptor{},
 		Annotations:  snapshotAnnotations(pk.metadata, pk.p.opts.Created),
 	}
 	for _, path := range paths {
 		idx.Manifests = append(idx.Manifests, pk.files[path]...)
 	}
-	desc, err := pk.p.pushJSON(ctx, ocispec.MediaTypeImageIndex, ArtifactTypeSnapshot, idx)
+	desc, err := pk.p.pushJSON(ctx, ocispec.MediaTypeImageIndex, pk.p.opts.Format.snapshotArtifactType(), idx)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, fmt.Errorf("push snapshot index: %w", err)
 	}
@@ -302,11 +311,33 @@ type packer struct {
 	mu    sync.Mutex
 	blobs map[digest.Digest]bool // blob digest -> uploaded by us
 	stats PackStats
+	// Format v2: placed holds the chunks in packs this packer stored;
+	// chunkSeen the chunks counted in StoredBytes; newChunk the chunks it
+	// compressed (not reused).
+	placed    map[digest.Digest]Chunk
+	chunkSeen map[digest.Digest]bool
+	newChunk  map[digest.Digest]bool
 }
 
 func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
+	switch opts.Format {
+	case 0:
+		opts.Format = V1
+	case V1, V2:
+	default:
+		return nil, fmt.Errorf("format version %d: want 1 or 2", opts.Format)
+	}
 	if opts.Chunking == (chunker.Params{}) {
 		opts.Chunking = chunker.DefaultPageCDC(DefaultAvgChunkSize)
+		if opts.Format == V2 {
+			opts.Chunking = chunker.DefaultPageCDC(DefaultAvgChunkSizeV2)
+		}
+	}
+	if opts.PackSize <= 0 {
+		opts.PackSize = DefaultPackSize
+	}
+	if opts.PackSize > MaxPackSize || (opts.Format == V2 && opts.Chunking.Max > MaxPackSize) {
+		return nil, fmt.Errorf("pack size %d or chunk size %d over the %d bytes a pack may hold", opts.PackSize, opts.Chunking.Max, MaxPackSize)
 	}
 	if err := opts.Chunking.Validate(); err != nil {
 		return nil, err
@@ -322,7 +353,8 @@ func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
 	}
 	max := opts.Chunking.Max
 	p := &packer{dst: dst, opts: opts, codec: codec, blobs: map[digest.Digest]bool{},
-		stats: PackStats{Chunks: map[Encoding]int{}}}
+		stats:  PackStats{Chunks: map[Encoding]int{}},
+		placed: map[digest.Digest]Chunk{}, chunkSeen: map[digest.Digest]bool{}, newChunk: map[digest.Digest]bool{}}
 	p.bufs.New = func() any { b := make([]byte, 0, max); return &b }
 	return p, nil
 }
@@ -457,6 +489,9 @@ type packResult struct {
 // the descriptors of its part manifests, annotated for the index, and its
 // size.
 func (p *packer) packStream(ctx context.Context, f fileEntry, r io.Reader) ([]ocispec.Descriptor, int64, error) {
+	if p.opts.Format == V2 {
+		return p.packStreamV2(ctx, f, r)
+	}
 	ck, err := chunker.New(r, p.opts.Chunking)
 	if err != nil {
 		return nil, 0, err
@@ -590,7 +625,7 @@ func (p *packer) pushIfMissing(ctx context.Context, desc ocispec.Descriptor, dat
 	if ok {
 		return false, nil
 	}
-	if bw, ok := p.dst.(BlobWriter); ok && isChunk(desc.MediaType) {
+	if bw, ok := p.dst.(BlobWriter); ok && (isChunk(desc.MediaType) || desc.MediaType == MediaTypePack) {
 		err = bw.WriteBlob(ctx, desc, data)
 	} else {
 		err = p.dst.Push(ctx, desc, bytes.NewReader(data))
@@ -694,6 +729,12 @@ func (p *packer) pushJSON(ctx context.Context, mediaType, artifactType string, v
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
+	return p.pushBytes(ctx, mediaType, artifactType, data)
+}
+
+// pushBytes pushes the JSON document data unless present and returns its
+// descriptor.
+func (p *packer) pushBytes(ctx context.Context, mediaType, artifactType string, data []byte) (ocispec.Descriptor, error) {
 	if len(data) > MaxManifestSize {
 		return ocispec.Descriptor{}, fmt.Errorf("%s of %d bytes: %w (limit %d)", mediaType, len(data), ErrTooLarge, MaxManifestSize)
 	}

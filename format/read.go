@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"sync"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content"
 )
 
@@ -84,10 +85,53 @@ func FetchChunk(ctx context.Context, src content.Fetcher, codec *Codec, c Chunk,
 	return codec.Decode(c, blob, buf)
 }
 
-// fetchExact reads chunk c's blob, of c.BlobSize bytes, into buf (grown as
-// needed).
+// RangeFetcher fetches n bytes at off of a blob: a registry by HTTP Range,
+// a local store by seeking. FetchChunk reads a packed chunk's frame
+// through it when the source has it, else through Fetch, skipping to the
+// frame.
+type RangeFetcher interface {
+	// FetchRange returns a reader of exactly the n bytes at off of the
+	// blob desc (or fewer, if the blob is shorter: a lying table).
+	FetchRange(ctx context.Context, desc ocispec.Descriptor, off, n int64) (io.ReadCloser, error)
+}
+
+// OpenRange opens n bytes at off of blob desc in src: with FetchRange if
+// src is a RangeFetcher, else by seeking or skipping in the whole blob.
+func OpenRange(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, off, n int64) (io.ReadCloser, error) {
+	if rf, ok := src.(RangeFetcher); ok {
+		return rf.FetchRange(ctx, desc, off, n)
+	}
+	rc, err := src.Fetch(ctx, desc)
+	if err != nil {
+		return nil, err
+	}
+	if off > 0 {
+		if sk, ok := rc.(io.Seeker); ok {
+			_, err = sk.Seek(off, io.SeekStart)
+		} else {
+			_, err = io.CopyN(io.Discard, rc, off)
+		}
+		if err != nil {
+			rc.Close()
+			return nil, fmt.Errorf("skip to %d in %s: %w", off, desc.Digest, err)
+		}
+	}
+	return struct {
+		io.Reader
+		io.Closer
+	}{io.LimitReader(rc, n), rc}, nil
+}
+
+// fetchExact reads chunk c's stored bytes, c.BlobSize of them (its blob,
+// or its frame of a pack), into buf (grown as needed).
 func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) ([]byte, error) {
-	rc, err := src.Fetch(ctx, c.BlobDescriptor())
+	var rc io.ReadCloser
+	var err error
+	if c.Packed() {
+		rc, err = OpenRange(ctx, src, c.BlobDescriptor(), c.PackOffset, c.BlobSize)
+	} else {
+		rc, err = src.Fetch(ctx, c.BlobDescriptor())
+	}
 	if err != nil {
 		return buf, fmt.Errorf("fetch chunk %s (blob %s): %w", c.Digest, c.Blob, err)
 	}

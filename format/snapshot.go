@@ -25,6 +25,8 @@ type Snapshot struct {
 	Annotations map[string]string
 	// Files are the snapshot's regular files, sorted by path.
 	Files []File
+	// Version is the snapshot's format version.
+	Version Version
 }
 
 // File is one regular file of a snapshot.
@@ -39,6 +41,8 @@ type File struct {
 	Digest digest.Digest
 	// Parts cover the file in order, each described by its own manifest.
 	Parts []Part
+	// Version is the format version of the snapshot holding the file.
+	Version Version
 }
 
 // Part is a contiguous range of a file whose chunks one manifest holds.
@@ -100,13 +104,19 @@ func ParseIndex(desc ocispec.Descriptor, data []byte) (*Snapshot, error) {
 	if idx.SchemaVersion != 2 || idx.MediaType != ocispec.MediaTypeImageIndex {
 		return nil, bad("schemaVersion %d mediaType %q, want 2 and %q", idx.SchemaVersion, idx.MediaType, ocispec.MediaTypeImageIndex)
 	}
-	if idx.ArtifactType != ArtifactTypeSnapshot {
-		return nil, bad("artifactType %q, want %q: not a cryo snapshot", idx.ArtifactType, ArtifactTypeSnapshot)
+	var version Version
+	switch idx.ArtifactType {
+	case ArtifactTypeSnapshot:
+		version = V1
+	case ArtifactTypeSnapshotV2:
+		version = V2
+	default:
+		return nil, bad("artifactType %q, want %q or %q: not a cryo snapshot this version of cryo reads", idx.ArtifactType, ArtifactTypeSnapshot, ArtifactTypeSnapshotV2)
 	}
-	s := &Snapshot{Descriptor: desc, Annotations: idx.Annotations}
+	s := &Snapshot{Descriptor: desc, Annotations: idx.Annotations, Version: version}
 	for i, m := range idx.Manifests {
-		if m.MediaType != ocispec.MediaTypeImageManifest || m.ArtifactType != ArtifactTypeFile {
-			return nil, bad("manifest %d: mediaType %q artifactType %q, want %q and %q", i, m.MediaType, m.ArtifactType, ocispec.MediaTypeImageManifest, ArtifactTypeFile)
+		if m.MediaType != ocispec.MediaTypeImageManifest || m.ArtifactType != version.fileArtifactType() {
+			return nil, bad("manifest %d: mediaType %q artifactType %q, want %q and %q", i, m.MediaType, m.ArtifactType, ocispec.MediaTypeImageManifest, version.fileArtifactType())
 		}
 		if err := validSHA256(m.Digest); err != nil || m.Size <= 0 || m.Size > MaxManifestSize {
 			return nil, bad("manifest %d: digest %q size %d", i, m.Digest, m.Size)
@@ -146,6 +156,7 @@ func ParseIndex(desc ocispec.Descriptor, data []byte) (*Snapshot, error) {
 			return nil, fmt.Errorf("more than %d files: %w", MaxFiles, ErrTooLarge)
 		}
 		f.Parts = []Part{p}
+		f.Version = version
 		s.Files = append(s.Files, f)
 	}
 	if len(s.Files) == 0 {
@@ -238,6 +249,10 @@ type PartTable struct {
 // LoadPart fetches, verifies and validates the manifest and chunk table of
 // one part of f. Nothing of other files or parts is read.
 func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*PartTable, error) {
+	v := f.Version
+	if v == 0 {
+		v = V1
+	}
 	p := f.Parts[part]
 	mdata, err := FetchVerified(ctx, src, p.Manifest, MaxManifestSize)
 	if err != nil {
@@ -250,17 +265,21 @@ func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Par
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("manifest %s of %q part %d: %s: %w", p.Manifest.Digest, f.Path, part, fmt.Sprintf(format, args...), ErrInvalid)
 	}
-	if m.SchemaVersion != 2 || m.MediaType != ocispec.MediaTypeImageManifest || m.ArtifactType != ArtifactTypeFile {
+	if m.SchemaVersion != 2 || m.MediaType != ocispec.MediaTypeImageManifest || m.ArtifactType != v.fileArtifactType() {
 		return nil, bad("schemaVersion %d mediaType %q artifactType %q", m.SchemaVersion, m.MediaType, m.ArtifactType)
 	}
-	if m.Config.MediaType != MediaTypeChunkTable {
-		return nil, bad("config mediaType %q, want %q", m.Config.MediaType, MediaTypeChunkTable)
+	if m.Config.MediaType != v.tableMediaType() {
+		return nil, bad("config mediaType %q, want %q", m.Config.MediaType, v.tableMediaType())
 	}
 	tdata, err := FetchVerified(ctx, src, m.Config, MaxTableSize)
 	if err != nil {
 		return nil, fmt.Errorf("fetch chunk table of %q part %d: %w", f.Path, part, err)
 	}
-	t, err := ParseTable(tdata)
+	parse := ParseTable
+	if v == V2 {
+		parse = ParseTableV2
+	}
+	t, err := parse(tdata)
 	if err != nil {
 		return nil, err
 	}
@@ -286,13 +305,28 @@ func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Par
 		if !ok {
 			return nil, bad("chunk %d's blob %s is not a layer", i, c.Blob)
 		}
-		if l.Size != c.BlobSize || l.MediaType != c.MediaType() {
-			return nil, bad("layer %s is %s of %d bytes, chunk %d needs %s of %d", l.Digest, l.MediaType, l.Size, i, c.MediaType(), c.BlobSize)
+		if want := c.BlobDescriptor(); l.Size != want.Size || l.MediaType != want.MediaType {
+			return nil, bad("layer %s is %s of %d bytes, chunk %d needs %s of %d", l.Digest, l.MediaType, l.Size, i, want.MediaType, want.Size)
 		}
 		used[c.Blob] = true
 	}
 	if len(used) != len(layers) {
 		return nil, bad("%d layers are not used by the chunk table", len(layers)-len(used))
+	}
+	if v == V2 {
+		// A v2 manifest lists its table's packs, in the table's order.
+		got := m.Layers
+		if len(got) == 1 && got[0].Digest == ocispec.DescriptorEmptyJSON.Digest {
+			got = nil
+		}
+		if len(got) != len(t.Packs) {
+			return nil, bad("%d layers for the table's %d packs", len(got), len(t.Packs))
+		}
+		for i := range got {
+			if got[i].Digest != t.Packs[i].Digest {
+				return nil, bad("layer %d is %s, the table's pack %d is %s", i, got[i].Digest, i, t.Packs[i].Digest)
+			}
+		}
 	}
 	return &PartTable{Manifest: m, Table: t}, nil
 }

@@ -41,15 +41,29 @@ type Chunk struct {
 	// Blob is the digest of the stored bytes. Empty for zero chunks, equal
 	// to Digest for raw chunks.
 	Blob digest.Digest `json:"blob,omitempty"`
-	// BlobSize is the length of the stored bytes; 0 for zero chunks.
+	// BlobSize is the length of the stored bytes; 0 for zero chunks. In
+	// format v2 these are a frame of the pack Blob.
 	BlobSize int64 `json:"blobSize,omitempty"`
+	// PackOffset is where the chunk's stored bytes start in its blob, a
+	// pack (format v2); 0 in v1, where the blob holds the chunk alone.
+	PackOffset int64 `json:"-"`
+	// PackSize is the size of the pack blob holding the chunk's frame
+	// (format v2); 0 in v1.
+	PackSize int64 `json:"-"`
 }
+
+// Packed reports whether the chunk is stored as a frame of a pack (format
+// v2) rather than as a blob of its own.
+func (c Chunk) Packed() bool { return c.PackSize > 0 }
 
 // End is the offset just past the chunk.
 func (c Chunk) End() int64 { return c.Offset + c.Size }
 
 // MediaType is the media type of the chunk's blob, or "" for zero chunks.
 func (c Chunk) MediaType() string {
+	if c.Packed() {
+		return MediaTypePack
+	}
 	switch c.Encoding {
 	case EncodingRaw:
 		return MediaTypeChunkRaw
@@ -83,6 +97,19 @@ type Table struct {
 	Chunker chunker.Params `json:"chunker"`
 	// Chunks are the part's chunks in file order, contiguous from Offset.
 	Chunks []Chunk `json:"chunks"`
+	// Version is the format the table was read or is written in (0: V1).
+	Version Version `json:"-"`
+	// Packs are the packs the chunks' frames lie in, in order of first
+	// use (format v2; the part manifest's layers).
+	Packs []ocispec.Descriptor `json:"-"`
+}
+
+// Marshal encodes the table in its format version.
+func (t *Table) Marshal() ([]byte, error) {
+	if t.Version == V2 {
+		return t.marshalV2()
+	}
+	return json.Marshal(t)
 }
 
 // ParseTable decodes and validates a chunk table.
@@ -149,6 +176,15 @@ func (t *Table) Validate() error {
 }
 
 func (c Chunk) validateEncoding() error {
+	if c.Packed() {
+		if c.Encoding != EncodingRaw && c.Encoding != EncodingZstd {
+			return fmt.Errorf("packed chunk of encoding %q", c.Encoding)
+		}
+		if err := validSHA256(c.Digest); err != nil {
+			return err
+		}
+		return c.validateFrame()
+	}
 	switch c.Encoding {
 	case EncodingZero:
 		if c.Digest != "" || c.Blob != "" || c.BlobSize != 0 {
@@ -215,5 +251,8 @@ func validSHA256(d digest.Digest) error {
 
 // BlobDescriptor is the descriptor of the blob of non-zero chunk c.
 func (c Chunk) BlobDescriptor() ocispec.Descriptor {
+	if c.Packed() {
+		return ocispec.Descriptor{MediaType: MediaTypePack, Digest: c.Blob, Size: c.PackSize}
+	}
 	return ocispec.Descriptor{MediaType: c.MediaType(), Digest: c.Blob, Size: c.BlobSize}
 }

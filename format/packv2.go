@@ -1,0 +1,313 @@
+package format
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"strconv"
+
+	"github.com/cryo-oci/cryo/format/chunker"
+	"github.com/cryo-oci/cryo/internal/ordered"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sync/errgroup"
+)
+
+// packUploads bounds the packs of one file being uploaded at once while
+// the next is filled.
+const packUploads = 4
+
+// v2Result is a chunk identified (and, if new, compressed) by a worker.
+type v2Result struct {
+	buf   *[]byte // the chunk's bytes
+	zbuf  *[]byte // holds frame when it is compressed; nil else
+	chunk Chunk
+	// frame is the chunk's stored bytes if no pack holds it yet; nil for
+	// zero and reused chunks.
+	frame []byte
+}
+
+// openPack is the pack a file's new chunks are appended to, in file order.
+type openPack struct {
+	buf []byte
+	// members are the indices in the file's chunk list of the chunks whose
+	// frames are in buf.
+	members []int
+	// frames finds a chunk already in buf, by digest.
+	frames map[digest.Digest]Chunk
+}
+
+// packStreamV2 is packStream for format v2: the file's new chunks go, in
+// order, into packs of about PackOptions.PackSize; chunks the resolver or
+// an earlier pack of this packer has are referenced where they lie.
+func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]ocispec.Descriptor, int64, error) {
+	ck, err := chunker.New(r, p.opts.Chunking)
+	if err != nil {
+		return nil, 0, err
+	}
+	fileHash := sha256.New()
+	var chunks []Chunk
+	var size int64
+	uploads, uctx := errgroup.WithContext(ctx)
+	uploads.SetLimit(packUploads)
+	// sealed holds the chunks of this file's packs sealed so far (their
+	// uploads may still run), found by digest.
+	sealed := map[digest.Digest]Chunk{}
+	cur := &openPack{frames: map[digest.Digest]Chunk{}}
+	seal := func() {
+		if len(cur.buf) == 0 {
+			return
+		}
+		data := cur.buf
+		desc := ocispec.Descriptor{MediaType: MediaTypePack, Digest: digest.FromBytes(data), Size: int64(len(data))}
+		placed := make([]Chunk, 0, len(cur.members))
+		for _, i := range cur.members {
+			c := &chunks[i]
+			c.Blob, c.PackSize = desc.Digest, desc.Size
+			sealed[c.Digest] = *c
+			placed = append(placed, *c)
+		}
+		uploads.Go(func() error {
+			uploaded, err := p.pushIfMissing(uctx, desc, data)
+			if err != nil {
+				return fmt.Errorf("store pack %s: %w", desc.Digest, err)
+			}
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			if uploaded {
+				p.stats.UploadedBytes += desc.Size
+				p.stats.BlobsUploaded++
+			} else {
+				p.stats.BlobsSkipped++
+			}
+			// Only now may other files of this snapshot refer to it: their
+			// manifests may be pushed before this file's.
+			for _, c := range placed {
+				p.placed[c.Digest] = c
+			}
+			return nil
+		})
+		cur = &openPack{buf: make([]byte, 0, p.opts.PackSize), frames: map[digest.Digest]Chunk{}}
+	}
+	cur.buf = make([]byte, 0, p.opts.PackSize)
+	produce := func(ctx context.Context, emit func(packJob) error) error {
+		for {
+			data, off, err := ck.Next()
+			if err == io.EOF {
+				return nil
+			}
+			if err != nil {
+				return fmt.Errorf("read %s: %w", f.path, err)
+			}
+			buf := p.bufs.Get().(*[]byte)
+			*buf = append((*buf)[:0], data...)
+			if err := emit(packJob{buf: buf, offset: off}); err != nil {
+				return err
+			}
+		}
+	}
+	work := func(ctx context.Context, j packJob) (v2Result, error) {
+		res, err := p.identifyV2(ctx, *j.buf)
+		res.buf, res.chunk.Offset = j.buf, j.offset
+		return res, err
+	}
+	sink := func(r v2Result) error {
+		fileHash.Write(*r.buf)
+		size += int64(len(*r.buf))
+		c := r.chunk
+		if r.frame != nil {
+			if prev, ok := cur.frames[c.Digest]; ok {
+				c = prev
+				cur.members = append(cur.members, len(chunks))
+			} else if prev, ok := sealed[c.Digest]; ok {
+				c = prev
+			} else {
+				if len(cur.buf) > 0 && len(cur.buf)+len(r.frame) > p.opts.PackSize {
+					seal()
+				}
+				c.PackOffset = int64(len(cur.buf))
+				cur.buf = append(cur.buf, r.frame...)
+				cur.members = append(cur.members, len(chunks))
+				cur.frames[c.Digest] = c
+			}
+			c.Offset = r.chunk.Offset
+		}
+		p.bufs.Put(r.buf)
+		if r.zbuf != nil {
+			p.bufs.Put(r.zbuf)
+		}
+		chunks = append(chunks, c)
+		p.done(c, false)
+		return nil
+	}
+	err = ordered.Map(ctx, p.opts.Concurrency, 2*p.opts.Concurrency+2, produce, work, sink)
+	if err == nil {
+		seal()
+	}
+	if uerr := uploads.Wait(); err == nil {
+		err = uerr
+	}
+	if err != nil {
+		return nil, 0, fmt.Errorf("pack %s: %w", f.path, err)
+	}
+	p.mu.Lock()
+	p.stats.LogicalBytes += size
+	seen := map[digest.Digest]bool{}
+	for _, c := range chunks {
+		p.stats.Chunks[c.Encoding]++
+		if c.Encoding == EncodingZero || seen[c.Digest] {
+			continue
+		}
+		seen[c.Digest] = true
+		if !p.chunkSeen[c.Digest] {
+			p.chunkSeen[c.Digest] = true
+			p.stats.StoredBytes += c.BlobSize
+			if !p.newChunk[c.Digest] {
+				p.stats.ReusedBytes += c.BlobSize
+			}
+		}
+	}
+	p.mu.Unlock()
+	descs, err := p.pushPartsV2(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
+	return descs, size, err
+}
+
+// identifyV2 hashes data and, unless it is zero or already stored (the
+// resolver's packs, this packer's), compresses it: the result's frame is
+// then what a new pack will hold.
+func (p *packer) identifyV2(ctx context.Context, data []byte) (v2Result, error) {
+	c := p.codec.Identify(data)
+	if c.Encoding == EncodingZero {
+		return v2Result{chunk: c}, nil
+	}
+	p.mu.Lock()
+	prev, ok := p.placed[c.Digest]
+	p.mu.Unlock()
+	if ok {
+		return v2Result{chunk: prev}, nil
+	}
+	if p.opts.Resolver != nil {
+		rc, ok, err := p.opts.Resolver.ResolveChunk(ctx, c)
+		if err != nil {
+			return v2Result{chunk: c}, fmt.Errorf("resolve chunk %s: %w", c.Digest, err)
+		}
+		// A resolver may only name frames of packs (v1 blobs are not
+		// referenced from v2 tables).
+		if ok && rc.Packed() {
+			rc.Offset, rc.Size, rc.Digest = c.Offset, c.Size, c.Digest
+			if err := rc.validateEncoding(); err != nil {
+				return v2Result{chunk: c}, fmt.Errorf("resolver's frame for chunk %s: %w", c.Digest, err)
+			}
+			return v2Result{chunk: rc}, nil
+		}
+	}
+	zbuf := p.bufs.Get().(*[]byte)
+	c, frame := p.codec.Compress(c, data, *zbuf)
+	p.mu.Lock()
+	p.newChunk[c.Digest] = true
+	p.mu.Unlock()
+	if c.Encoding == EncodingRaw {
+		// The frame is the chunk's bytes, which the sink copies into the
+		// pack before it recycles them.
+		p.bufs.Put(zbuf)
+		zbuf = nil
+	}
+	// In a pack the frame's blob is the pack: set when it is sealed.
+	c.Blob = ""
+	return v2Result{chunk: c, frame: frame, zbuf: zbuf}, nil
+}
+
+// pushPartsV2 splits a file's chunks into parts of at most
+// MaxChunksPerPart, pushes each part's v2 chunk table and manifest (its
+// layers: the packs its chunks lie in, in order of first use) and returns
+// the annotated manifest descriptors in order.
+func (p *packer) pushPartsV2(ctx context.Context, f fileEntry, size int64, fileDigest digest.Digest, chunks []Chunk) ([]ocispec.Descriptor, error) {
+	nparts := max(1, (len(chunks)+MaxChunksPerPart-1)/MaxChunksPerPart)
+	if nparts > MaxParts {
+		return nil, fmt.Errorf("%s needs %d parts: %w (limit %d)", f.path, nparts, ErrTooLarge, MaxParts)
+	}
+	var descs []ocispec.Descriptor
+	var offset int64
+	for part := range nparts {
+		pc := chunks[min(part*MaxChunksPerPart, len(chunks)):min((part+1)*MaxChunksPerPart, len(chunks))]
+		var length int64
+		for _, c := range pc {
+			length += c.Size
+		}
+		t := Table{Path: f.path, Size: size, Mode: uint32(f.mode), Digest: fileDigest, Part: part, Parts: nparts,
+			Offset: offset, Length: length, Chunker: p.opts.Chunking, Chunks: pc, Version: V2, Packs: partLayers(pc)}
+		if err := t.Validate(); err != nil {
+			return nil, fmt.Errorf("internal error: %w", err)
+		}
+		data, err := t.Marshal()
+		if err != nil {
+			return nil, fmt.Errorf("internal error: %w", err)
+		}
+		tdesc, err := p.pushBytes(ctx, MediaTypeChunkTableV2, "", data)
+		if err != nil {
+			return nil, fmt.Errorf("push chunk table of %s: %w", f.path, err)
+		}
+		m := ocispec.Manifest{
+			Versioned:    specsVersioned,
+			MediaType:    ocispec.MediaTypeImageManifest,
+			ArtifactType: ArtifactTypeFileV2,
+			Config:       tdesc,
+			Layers:       t.Packs,
+		}
+		if len(m.Layers) == 0 {
+			if _, err := p.pushIfMissing(ctx, ocispec.DescriptorEmptyJSON, ocispec.DescriptorEmptyJSON.Data); err != nil {
+				return nil, err
+			}
+			m.Layers = []ocispec.Descriptor{emptyLayer()}
+		}
+		mdesc, err := p.pushJSON(ctx, ocispec.MediaTypeImageManifest, ArtifactTypeFileV2, m)
+		if err != nil {
+			return nil, fmt.Errorf("push manifest of %s: %w", f.path, err)
+		}
+		mdesc.Annotations = map[string]string{
+			AnnotationFilePath:   f.path,
+			AnnotationFileSize:   strconv.FormatInt(size, 10),
+			AnnotationFileMode:   fmt.Sprintf("%04o", uint32(f.mode)),
+			AnnotationFileDigest: fileDigest.String(),
+			AnnotationPartOffset: strconv.FormatInt(offset, 10),
+			AnnotationPartLength: strconv.FormatInt(length, 10),
+		}
+		descs = append(descs, mdesc)
+		offset += length
+	}
+	return descs, nil
+}
+
+// TableResolver resolves chunks to the frames where tables already loaded
+// hold them: the tables of an earlier v2 snapshot of the same repository,
+// whose packs a new snapshot there may reference at no cost. It is the
+// resolver `cryo push --base` and `cryo checkpoint --base` use.
+type TableResolver struct {
+	frames map[digest.Digest]Chunk
+}
+
+// NewTableResolver indexes the packed chunks of tables.
+func NewTableResolver(tables []*Table) *TableResolver {
+	r := &TableResolver{frames: map[digest.Digest]Chunk{}}
+	for _, t := range tables {
+		for _, c := range t.Chunks {
+			if c.Packed() {
+				r.frames[c.Digest] = c
+			}
+		}
+	}
+	return r
+}
+
+// Len is the number of distinct chunks the resolver knows.
+func (r *TableResolver) Len() int { return len(r.frames) }
+
+// ResolveChunk returns the frame holding c, if a table had one of its size.
+func (r *TableResolver) ResolveChunk(_ context.Context, c Chunk) (Chunk, bool, error) {
+	f, ok := r.frames[c.Digest]
+	if !ok || f.Size != c.Size {
+		return c, false, nil
+	}
+	return f, true, nil
+}
