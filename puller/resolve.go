@@ -57,7 +57,7 @@ func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, erro
 		if err != nil {
 			return fetch.Endpoint{}, fmt.Errorf("mirror %s: %w", host, err)
 		}
-		return fetch.Endpoint{Name: host, Store: repo}, nil
+		return fetch.Endpoint{Name: host, Store: transfer.Ranged{Repository: repo}}, nil
 	}
 	withMirrors := func(d digest.Digest) ([]fetch.Endpoint, error) {
 		eps := make([]fetch.Endpoint, 0, len(opts.Mirrors)+1)
@@ -68,7 +68,7 @@ func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, erro
 			}
 			eps = append(eps, ep)
 		}
-		return append(eps, fetch.Endpoint{Name: parsed.Registry, Store: primary}), nil
+		return append(eps, fetch.Endpoint{Name: parsed.Registry, Store: transfer.Ranged{Repository: primary}}), nil
 	}
 
 	if d, err := parsed.Digest(); err == nil {

@@ -50,7 +50,7 @@ func Pull(ctx context.Context, repo *remote.Repository, ref, dir string, opts Pu
 		if opts.OnBytes != nil {
 			uopts.OnChunk = func(c format.Chunk, _ bool) { opts.OnBytes(c.Size) }
 		}
-		snap, st, err := format.Unpack(ctx, repo, desc, dir, uopts)
+		snap, st, err := format.Unpack(ctx, Ranged{repo}, desc, dir, uopts)
 		if err != nil {
 			return nil, explain(fmt.Errorf("pull %s: %w", repo.Reference, err), repo)
 		}

@@ -2,14 +2,17 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/errdef"
 	"oras.land/oras-go/v2/registry/remote"
 )
 
@@ -22,6 +25,13 @@ type PushOptions struct {
 	OnBytes func(n int64)
 	// NoChunkIndex turns off the registry chunk index lookups.
 	NoChunkIndex bool
+	// Base names (by tag or digest) a format v2 snapshot in the same
+	// repository whose packs the new one may reference, storing only the
+	// chunks the base lacks. Empty: the tag pushed to, if it names a v2
+	// snapshot. Only for Pack.Format V2.
+	Base string
+	// NoBase turns the base off: every chunk goes into new packs.
+	NoBase bool
 }
 
 // PushResult says what Push did.
@@ -29,8 +39,10 @@ type PushResult struct {
 	Descriptor ocispec.Descriptor `json:"descriptor"`
 	Stats      *format.PackStats  `json:"stats"`
 	// ChunkIndexHits counts chunks the registry's chunk index supplied.
-	ChunkIndexHits int64   `json:"chunkIndexHits"`
-	Seconds        float64 `json:"seconds"`
+	ChunkIndexHits int64 `json:"chunkIndexHits"`
+	// Base is the snapshot whose packs a v2 push reused, if any.
+	Base    *ocispec.Descriptor `json:"base,omitempty"`
+	Seconds float64             `json:"seconds"`
 }
 
 // Push packs the image dir dir straight into repo (no copy of the image on
@@ -40,6 +52,10 @@ type PushResult struct {
 func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, opts PushOptions) (*PushResult, error) {
 	start := time.Now()
 	popts, resolver := packOptions(repo, opts)
+	base, err := useBase(ctx, repo, tag, opts, &popts)
+	if err != nil {
+		return nil, err
+	}
 	desc, st, err := format.Pack(ctx, dir, repo, popts)
 	if err != nil {
 		return nil, explain(fmt.Errorf("push %s to %s: %w", dir, repo.Reference, err), repo)
@@ -47,11 +63,69 @@ func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, 
 	if err := repo.Tag(ctx, desc, tag); err != nil {
 		return nil, fmt.Errorf("tag %s: %w", tag, err)
 	}
-	res := &PushResult{Descriptor: desc, Stats: st, Seconds: time.Since(start).Seconds()}
+	res := &PushResult{Descriptor: desc, Stats: st, Base: base, Seconds: time.Since(start).Seconds()}
 	if resolver != nil {
 		res.ChunkIndexHits = resolver.hits.Load()
 	}
 	return res, nil
+}
+
+// useBase sets popts' resolver to the frames of the base snapshot opts
+// names (or the one tag names now) for a format v2 push, and returns the
+// base's descriptor, or nil if there is none. A base is only ever taken
+// from the repository pushed to: a pack holds other chunks of the
+// snapshot it was made for, and the new snapshot's readers may read
+// every pack it lists.
+func useBase(ctx context.Context, repo *remote.Repository, tag string, opts PushOptions, popts *format.PackOptions) (*ocispec.Descriptor, error) {
+	if popts.Format != format.V2 || opts.NoBase {
+		if opts.Base != "" && !opts.NoBase {
+			return nil, fmt.Errorf("a base snapshot (%s) is only used by format v2 pushes", opts.Base)
+		}
+		return nil, nil
+	}
+	ref := opts.Base
+	if ref == "" {
+		ref = tag
+	}
+	if ref == "" {
+		return nil, nil
+	}
+	if strings.Contains(ref, "/") {
+		return nil, fmt.Errorf("base %q: name a tag or digest of %s only: packs are never shared across repositories", ref, repo.Reference.Repository)
+	}
+	desc, err := repo.Resolve(ctx, ref)
+	if err != nil {
+		if opts.Base == "" && errors.Is(err, errdef.ErrNotFound) {
+			return nil, nil // a first push to tag
+		}
+		return nil, explain(fmt.Errorf("base %s: %w", ref, err), repo)
+	}
+	snap, err := format.LoadSnapshot(ctx, repo, desc)
+	if err != nil {
+		if opts.Base == "" {
+			return nil, nil // the tag names something else: no base
+		}
+		return nil, fmt.Errorf("base %s: %w", ref, err)
+	}
+	if snap.Version != format.V2 {
+		if opts.Base != "" {
+			return nil, fmt.Errorf("base %s is a format %s snapshot: only v2 packs can be reused", ref, snap.Version)
+		}
+		return nil, nil
+	}
+	var tables []*format.Table
+	for i := range snap.Files {
+		f := &snap.Files[i]
+		for part := range f.Parts {
+			pt, err := format.LoadPart(ctx, repo, f, part)
+			if err != nil {
+				return nil, fmt.Errorf("base %s: %w", ref, err)
+			}
+			tables = append(tables, pt.Table)
+		}
+	}
+	popts.Resolver = format.NewTableResolver(tables)
+	return &desc, nil
 }
 
 // Pusher packs an image dir given as one stream per file straight into a
@@ -63,6 +137,7 @@ type Pusher struct {
 	repo     *remote.Repository
 	pk       *format.Packer
 	resolver *indexResolver
+	base     *ocispec.Descriptor
 	start    time.Time
 	// index and stats, once the index is pushed: Finish tries the tag
 	// again without packing again.
@@ -70,14 +145,20 @@ type Pusher struct {
 	stats *format.PackStats
 }
 
-// NewPusher returns a Pusher into repo. Call Close when done with it.
-func NewPusher(repo *remote.Repository, opts PushOptions) (*Pusher, error) {
+// NewPusher returns a Pusher into repo of a snapshot to be tagged tag
+// (whose v2 snapshot, if any, is its base unless opts names another).
+// Call Close when done with it.
+func NewPusher(ctx context.Context, repo *remote.Repository, tag string, opts PushOptions) (*Pusher, error) {
 	popts, resolver := packOptions(repo, opts)
+	base, err := useBase(ctx, repo, tag, opts, &popts)
+	if err != nil {
+		return nil, err
+	}
 	pk, err := format.NewPacker(repo, popts)
 	if err != nil {
 		return nil, err
 	}
-	return &Pusher{repo: repo, pk: pk, resolver: resolver, start: time.Now()}, nil
+	return &Pusher{repo: repo, pk: pk, resolver: resolver, base: base, start: time.Now()}, nil
 }
 
 // AddFile packs the file at path from r, read to its end, pushing its
@@ -111,7 +192,7 @@ func (p *Pusher) Finish(ctx context.Context, tag string) (*PushResult, error) {
 	if err := p.repo.Tag(ctx, desc, tag); err != nil {
 		return nil, fmt.Errorf("tag %s: %w", tag, err)
 	}
-	res := &PushResult{Descriptor: desc, Stats: st, Seconds: time.Since(p.start).Seconds()}
+	res := &PushResult{Descriptor: desc, Stats: st, Base: p.base, Seconds: time.Since(p.start).Seconds()}
 	if p.resolver != nil {
 		res.ChunkIndexHits = p.resolver.hits.Load()
 	}
@@ -126,7 +207,8 @@ func (p *Pusher) Close() { p.pk.Close() }
 func packOptions(repo *remote.Repository, opts PushOptions) (format.PackOptions, *indexResolver) {
 	popts := opts.Pack
 	var resolver *indexResolver
-	if !opts.NoChunkIndex {
+	// The chunk index names v1 blobs; a v2 push reuses its base's packs.
+	if !opts.NoChunkIndex && popts.Format != format.V2 {
 		resolver = &indexResolver{repo: repo, base: BaseURL(repo)}
 		popts.Resolver = resolver
 	}

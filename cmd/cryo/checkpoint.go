@@ -3,15 +3,14 @@ package main
 import (
 	"fmt"
 
-	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/checkpoint"
-	"github.com/cryo-oci/cryo/transfer"
 	"github.com/spf13/cobra"
 )
 
 func newCheckpointCmd() *cobra.Command {
 	var (
 		ro           remoteOptions
+		fo           formatOptions
 		runsc        string
 		runscFlags   []string
 		leaveRunning bool
@@ -32,7 +31,8 @@ which streams checkpoint.img, pages_meta.img and pages.img to this process
 as the sentry writes them. They are chunked, hashed, checked against the
 registry's chunk index and pushed while the sentry writes: no copy of the
 sandbox's memory goes to local disk, and a second checkpoint of mostly the
-same memory uploads only what changed. The snapshot is tagged REF only once
+same memory uploads only what changed (with --format v2, little more than
+the pages that changed). The snapshot is tagged REF only once
 runsc checkpoint succeeded and every blob and manifest is in the registry;
 an interrupted checkpoint leaves no tag.
 
@@ -48,6 +48,10 @@ checks before it starts runsc. Credentials: as cryo push.`,
 			if err != nil {
 				return err
 			}
+			popts, err := fo.push(concurrency, noChunkIndex)
+			if err != nil {
+				return err
+			}
 			res, err := checkpoint.Checkpoint(cmd.Context(), checkpoint.Options{
 				Runsc:        runsc,
 				RunscFlags:   runscFlags,
@@ -57,7 +61,7 @@ checks before it starts runsc. Credentials: as cryo push.`,
 				GoferLog:     absPath(goferLog),
 				Repo:         repo,
 				Tag:          tag,
-				Push:         transfer.PushOptions{Pack: format.PackOptions{Concurrency: concurrency}, NoChunkIndex: noChunkIndex},
+				Push:         popts,
 				Stderr:       cmd.ErrOrStderr(),
 			})
 			if err != nil {
@@ -72,6 +76,7 @@ checks before it starts runsc. Credentials: as cryo push.`,
 		},
 	}
 	ro.register(cmd)
+	fo.register(cmd, true)
 	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "runsc binary")
 	cmd.Flags().StringArrayVar(&runscFlags, "runsc-flag", nil, "global runsc flag, e.g. --runsc-flag=--root=/run/runsc (repeatable)")
 	cmd.Flags().BoolVar(&leaveRunning, "leave-running", false, "keep the sandbox running after the checkpoint (runsc checkpoint --leave-running)")

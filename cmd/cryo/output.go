@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"io"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/progress"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/spf13/cobra"
 )
 
 // humanBytes formats n bytes with a binary unit.
@@ -24,4 +27,43 @@ func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// formatOptions are the flags that choose what a push, pack or checkpoint
+// writes: the format version and, for v2, the snapshot whose packs it
+// reuses.
+type formatOptions struct {
+	version string
+	base    string
+	noBase  bool
+}
+
+// register adds --format (and, if withBase, --base and --no-base).
+func (o *formatOptions) register(cmd *cobra.Command, withBase bool) {
+	cmd.Flags().StringVar(&o.version, "format", "v1", `snapshot format: v1 (a blob per 1 MiB chunk, read by every cryo) or v2 (64 KiB chunks in 4 MiB packs read by byte range: dedups a second checkpoint of the same app far better; needs cryo with format v2 to read)`)
+	if withBase {
+		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now)")
+		cmd.Flags().BoolVar(&o.noBase, "no-base", false, "v2: reference no earlier snapshot's packs; store every chunk anew")
+	}
+}
+
+// pack returns the packing options the flags give.
+func (o *formatOptions) pack(concurrency int) (format.PackOptions, error) {
+	v, err := format.ParseVersion(o.version)
+	if err != nil {
+		return format.PackOptions{}, fmt.Errorf("--format: %w", err)
+	}
+	return format.PackOptions{Concurrency: concurrency, Format: v}, nil
+}
+
+// push returns the push options the flags give.
+func (o *formatOptions) push(concurrency int, noChunkIndex bool) (transfer.PushOptions, error) {
+	popts, err := o.pack(concurrency)
+	if err != nil {
+		return transfer.PushOptions{}, err
+	}
+	if popts.Format != format.V2 && (o.base != "" || o.noBase) {
+		return transfer.PushOptions{}, fmt.Errorf("--base and --no-base need --format v2")
+	}
+	return transfer.PushOptions{Pack: popts, NoChunkIndex: noChunkIndex, Base: o.base, NoBase: o.noBase}, nil
 }

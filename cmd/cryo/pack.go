@@ -16,6 +16,7 @@ func newPackCmd() *cobra.Command {
 		layoutDir, tag, created, chunking string
 		avg, concurrency                  int
 		asJSON                            bool
+		fo                                formatOptions
 	)
 	cmd := &cobra.Command{
 		Use:   "pack DIR --layout OUT [--tag TAG]",
@@ -30,7 +31,13 @@ tags the snapshot index. Packing the same dir twice gives the same digest.`,
 			if layoutDir == "" {
 				return fmt.Errorf("--layout is required")
 			}
-			opts := format.PackOptions{Concurrency: concurrency}
+			opts, err := fo.pack(concurrency)
+			if err != nil {
+				return err
+			}
+			if !cmd.Flags().Changed("chunk-size") && opts.Format == format.V2 {
+				avg = format.DefaultAvgChunkSizeV2
+			}
 			switch chunking {
 			case chunker.PageCDC:
 				opts.Chunking = chunker.DefaultPageCDC(avg)
@@ -78,7 +85,8 @@ tags the snapshot index. Packing the same dir twice gives the same digest.`,
 	f.StringVar(&tag, "tag", transfer.DefaultTag, "tag of the snapshot in the layout")
 	f.StringVar(&created, "created", "", "creation time to record (RFC 3339); default: the checkpoint's own timestamp")
 	f.StringVar(&chunking, "chunking", chunker.PageCDC, "chunking algorithm: page-cdc or fixed")
-	f.IntVar(&avg, "chunk-size", format.DefaultAvgChunkSize, "mean chunk size in bytes (page-cdc: min size/4, max size*4)")
+	f.IntVar(&avg, "chunk-size", format.DefaultAvgChunkSize, "mean chunk size in bytes (page-cdc: min size/4, max size*4; default 65536 with --format v2)")
+	fo.register(cmd, false)
 	f.IntVar(&concurrency, "concurrency", 0, "chunks encoded and stored at once (default 4 x GOMAXPROCS)")
 	f.BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd

@@ -14,6 +14,7 @@ import (
 func newPushCmd() *cobra.Command {
 	var (
 		ro           remoteOptions
+		fo           formatOptions
 		concurrency  int
 		asJSON       bool
 		noChunkIndex bool
@@ -27,6 +28,12 @@ have: it asks a cryo registry's chunk index first (a chunk stored there in
 another encoding or repository is reused), then checks each blob with HEAD.
 The snapshot index is pushed last and tagged, so an interrupted push leaves no
 visible snapshot; pushing again uploads only what is still missing.
+
+With --format v2, chunks are small (64 KiB mean) and new ones go into 4 MiB
+packs; chunks an earlier v2 snapshot of the same repository holds (--base,
+default: the snapshot the tag names now) are referenced where they lie, so a
+second checkpoint of the same app uploads little more than what changed.
+Packs are never shared across repositories.
 
 REF is host[:port]/repository[:tag] (default tag "latest"). Credentials come
 from Docker's config and credential helpers (see cryo login), or -u with
@@ -43,12 +50,13 @@ from Docker's config and credential helpers (see cryo login), or -u with
 			if err != nil {
 				return fmt.Errorf("image dir: %w", err)
 			}
+			popts, err := fo.push(concurrency, noChunkIndex)
+			if err != nil {
+				return err
+			}
 			bar := progress.New(os.Stderr, "push", total)
-			res, err := transfer.Push(ctx, args[0], repo, tag, transfer.PushOptions{
-				Pack:         format.PackOptions{Concurrency: concurrency},
-				OnBytes:      bar.Add,
-				NoChunkIndex: noChunkIndex,
-			})
+			popts.OnBytes = bar.Add
+			res, err := transfer.Push(ctx, args[0], repo, tag, popts)
 			bar.Finish()
 			if err != nil {
 				return err
@@ -62,8 +70,9 @@ from Docker's config and credential helpers (see cryo login), or -u with
 		},
 	}
 	ro.register(cmd)
+	fo.register(cmd, true)
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
-	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only)")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only; format v1)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }
@@ -77,7 +86,15 @@ func printPushed(w io.Writer, title string, res *transfer.PushResult, took strin
 	fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
 	fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
 	fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
-	fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
+	if res.Base != nil || st.ReusedBytes > 0 {
+		base := "none"
+		if res.Base != nil {
+			base = res.Base.Digest.String()
+		}
+		fmt.Fprintf(w, "  reused     %s of %s stored in earlier packs (base %s), %d zero chunks\n", humanBytes(st.ReusedBytes), humanBytes(st.StoredBytes), base, st.Chunks[format.EncodingZero])
+	} else {
+		fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
+	}
 	fmt.Fprintf(w, "  took       %s\n", took)
 }
 

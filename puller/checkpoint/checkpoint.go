@@ -94,7 +94,7 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	if err := gofer.Check(ctx, opts.GoferDir, runscRelease); err != nil {
 		return nil, err
 	}
-	pusher, err := transfer.NewPusher(opts.Repo, opts.Push)
+	pusher, err := transfer.NewPusher(ctx, opts.Repo, opts.Tag, opts.Push)
 	if err != nil {
 		return nil, err
 	}
