@@ -48,8 +48,10 @@ type reg struct {
 	http *httptest.Server
 	root string
 	host string
-	// blobGets counts blob GETs served.
-	blobGets atomic.Int64
+	// blobGets counts blob GETs served; blobBytes the bytes of their
+	// bodies.
+	blobGets  atomic.Int64
+	blobBytes atomic.Int64
 	mu       sync.Mutex
 	delay    time.Duration
 	down     bool
@@ -102,11 +104,26 @@ func startReg(t testing.TB) *reg {
 			w.Write(body)
 			return
 		}
+		if isBlob {
+			w = &countingWriter{ResponseWriter: w, n: &r.blobBytes}
+		}
 		h.ServeHTTP(w, req)
 	}))
 	t.Cleanup(func() { r.http.Close(); srv.Close() })
 	r.host = strings.TrimPrefix(r.http.URL, "http://")
 	return r
+}
+
+// countingWriter counts the body bytes written through it.
+type countingWriter struct {
+	http.ResponseWriter
+	n *atomic.Int64
+}
+
+func (w *countingWriter) Write(p []byte) (int, error) {
+	n, err := w.ResponseWriter.Write(p)
+	w.n.Add(int64(n))
+	return n, err
 }
 
 func (r *reg) set(f func(r *reg)) {

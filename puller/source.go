@@ -8,6 +8,7 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/imagefs"
 )
 
 // The puller's format.ChunkSources: the fetch scheduler, and the node
@@ -26,6 +27,9 @@ type scheduled struct {
 	prio fetch.Priority
 }
 
+// Want queues the fetches of the chunks a read needs, at once.
+func (s scheduled) Want(chunks []format.Chunk) { s.s.Want(chunks, s.prio) }
+
 // Chunk returns chunk c's verified bytes.
 func (s scheduled) Chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
 	return s.s.Get(ctx, c, buf, s.prio)
@@ -37,6 +41,13 @@ func (s scheduled) Chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byt
 type cached struct {
 	cache *cache.Store
 	next  format.ChunkSource
+}
+
+// Want passes on the chunks a read needs, if next takes them.
+func (s cached) Want(chunks []format.Chunk) {
+	if w, ok := s.next.(imagefs.Wanter); ok {
+		w.Want(chunks)
+	}
 }
 
 // Chunk returns chunk c's verified bytes.

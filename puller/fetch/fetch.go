@@ -31,6 +31,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"sync"
@@ -160,6 +161,12 @@ type call struct {
 	chunk   format.Chunk
 	prio    Priority
 	started bool
+	// batch, on the call a worker took, are the calls for the frames that
+	// follow its own in the same pack, taken with it to be fetched in one
+	// range request (format v2); flights are their node-wide fetches,
+	// which this scheduler leads.
+	batch   []*call
+	flights []*flight
 	// demand: a read (Get) waits for the call, not only prefetches.
 	demand bool
 	// done is closed when the call is over (finished set): the chunk is
@@ -343,6 +350,22 @@ func (s *Scheduler) Prefetch(chunks []format.Chunk) []*Pending {
 	return out
 }
 
+// Want queues, at priority prio (Read or Fault), the fetches of the chunks
+// a read is about to Get one after the other, all at once: queued side by
+// side, the frames of a pack that follow each other are fetched in one
+// range request (format v2) instead of one request per Get. Chunks cached,
+// zero or already queued are skipped; Want does not wait.
+func (s *Scheduler) Want(chunks []format.Chunk, prio Priority) {
+	for _, c := range chunks {
+		if c.Encoding == format.EncodingZero || !c.Packed() || s.cache.Has(c.Digest) {
+			continue
+		}
+		if _, err := s.enqueue(c, max(prio, Read)); err != nil {
+			return
+		}
+	}
+}
+
 // Pending is a queued prefetch.
 type Pending struct{ c *call }
 
@@ -407,11 +430,58 @@ func (s *Scheduler) next() (*call, Priority) {
 				cl.started = true
 				s.active[p]++
 				s.record(cl)
+				if p != Fault && cl.chunk.Packed() {
+					s.coalesce(cl, p)
+				}
 				return cl, p
 			}
 		}
 		s.cond.Wait()
 	}
+}
+
+// MaxCoalesce bounds the stored bytes of the frames one range request
+// fetches (format v2): about one pack.
+const MaxCoalesce = format.DefaultPackSize
+
+// coalesce takes, with call cl just popped from queue p, the calls queued
+// right behind it whose frames follow cl's in the same pack, up to
+// MaxCoalesce bytes: one range request fetches them all. Queues hold reads
+// and prefetches in ascending file order, and a pack holds consecutive
+// chunks of a file, so neighbours in a pack are neighbours in the queue.
+// Page faults are never coalesced: a fault waits for its own chunk only.
+// With a node-wide InFlight, a call joins the batch only if this scheduler
+// leads its fetch; cl's own flight is joined by run.
+func (s *Scheduler) coalesce(cl *call, p Priority) {
+	end := cl.chunk.PackOffset + cl.chunk.BlobSize
+	total := cl.chunk.BlobSize
+	q := s.queues[p]
+	for len(q) > 0 && total < MaxCoalesce {
+		next := q[0]
+		if next.started || next.prio != p {
+			q = q[1:] // stale: promoted away or running
+			continue
+		}
+		c := next.chunk
+		if !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > MaxCoalesce {
+			break
+		}
+		var f *flight
+		if s.opts.InFlight != nil {
+			var lead bool
+			if f, lead = s.opts.InFlight.join(keyOf(c)); !lead {
+				break // another mount fetches it: its own worker follows that
+			}
+		}
+		q = q[1:]
+		next.started = true
+		s.record(next)
+		cl.batch = append(cl.batch, next)
+		cl.flights = append(cl.flights, f)
+		end += c.BlobSize
+		total += c.BlobSize
+	}
+	s.queues[p] = q
 }
 
 // pop takes the next runnable call of priority p, skipping entries that
@@ -464,6 +534,23 @@ func (s *Scheduler) worker() {
 // instead (follow).
 func (s *Scheduler) run(cl *call) {
 	finish := func(data []byte, err error) { s.finish(cl, data, err) }
+	batch, flights := cl.batch, cl.flights
+	cl.batch, cl.flights = nil, nil
+	if len(batch) > 0 {
+		var f *flight
+		if s.opts.InFlight != nil {
+			var lead bool
+			if f, lead = s.opts.InFlight.join(keyOf(cl.chunk)); !lead {
+				// Another mount took cl's chunk since: fetch the rest
+				// of the batch without it, then follow that fetch.
+				s.runBatch(batch, flights)
+				s.follow(cl, f)
+				return
+			}
+		}
+		s.runBatch(append([]*call{cl}, batch...), append([]*flight{f}, flights...))
+		return
+	}
 	if s.opts.InFlight == nil {
 		s.fetchAndStore(cl, nil, finish)
 		return
@@ -532,6 +619,112 @@ func (s *Scheduler) follow(cl *call, f *flight) {
 			wait()
 		}()
 	}
+}
+
+// runBatch fetches the chunks of calls, whose frames follow each other in
+// one pack, with one range request (fetchRange), and each chunk it could
+// not get that way on its own (fetchAndStore: every endpoint, retries,
+// the deadline). flights are the calls' node-wide fetches (nil entries
+// without InFlight), which this scheduler leads.
+func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
+	var todo []*call
+	var tflights []*flight
+	var ends []func([]byte, error)
+	for i, cl := range calls {
+		f := flights[i]
+		end := func(data []byte, err error) {
+			s.finish(cl, data, err)
+			if f != nil {
+				s.opts.InFlight.end(keyOf(cl.chunk), f, data, err)
+			}
+		}
+		if s.cache.Has(cl.chunk.Digest) {
+			end(nil, nil)
+			continue
+		}
+		todo, tflights, ends = append(todo, cl), append(tflights, f), append(ends, end)
+	}
+	if len(todo) == 0 {
+		return
+	}
+	done := s.fetchRange(todo, tflights, ends)
+	for i := done; i < len(todo); i++ {
+		var verified func([]byte)
+		if tflights[i] != nil {
+			verified = tflights[i].verify
+		}
+		s.fetchAndStore(todo[i], verified, ends[i])
+	}
+}
+
+// fetchRange reads the frames of calls (in one pack, in ascending order)
+// with one range request, from each endpoint in turn until all are in,
+// decoding and verifying each frame as it arrives: its readers go on at
+// once, and its write into the node cache is queued. It returns how many
+// calls, from the first, it served; a frame that fails to arrive or to
+// verify stops it there.
+func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]byte, error)) int {
+	last := calls[len(calls)-1].chunk
+	end := last.PackOffset + last.BlobSize
+	desc := calls[0].chunk.BlobDescriptor()
+	i := 0
+	for _, ep := range s.endpoints {
+		if i == len(calls) || s.ctx.Err() != nil {
+			break
+		}
+		ctx, cancel := context.WithTimeout(s.ctx, 60*time.Second)
+		start := calls[i].chunk.PackOffset
+		rc, err := format.OpenRange(ctx, ep.Store, desc, start, end-start)
+		if err != nil {
+			cancel()
+			if s.ctx.Err() == nil {
+				s.opts.Logger.Warn("fetch frames", "pack", desc.Digest, "offset", start, "length", end-start, "endpoint", ep.Name, "err", err)
+			}
+			continue
+		}
+		pos := start
+		for ; i < len(calls); i++ {
+			c := calls[i].chunk
+			data, err := s.readFrame(rc, &pos, c)
+			if err != nil {
+				if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) || errors.Is(err, format.ErrInvalid) {
+					s.opts.Metrics.verifyFailed(ep.Name)
+				}
+				if s.ctx.Err() == nil {
+					s.opts.Logger.Warn("fetch frame", "chunk", c.Digest, "pack", desc.Digest, "endpoint", ep.Name, "err", err)
+				}
+				break
+			}
+			s.fetched(c, ep)
+			s.publish(calls[i], data)
+			if flights[i] != nil {
+				flights[i].verify(data)
+			}
+			s.store(c, data, ends[i])
+		}
+		rc.Close()
+		cancel()
+	}
+	return i
+}
+
+// readFrame reads chunk c's frame from r, which is at pack offset *pos,
+// skipping to it, and returns the chunk's verified bytes.
+func (s *Scheduler) readFrame(r io.Reader, pos *int64, c format.Chunk) ([]byte, error) {
+	if gap := c.PackOffset - *pos; gap > 0 {
+		if _, err := io.CopyN(io.Discard, r, gap); err != nil {
+			return nil, err
+		}
+	}
+	frame := make([]byte, c.BlobSize)
+	if _, err := io.ReadFull(r, frame); err != nil {
+		return nil, fmt.Errorf("chunk %s: read %d bytes of its frame: %w", c.Digest, c.BlobSize, err)
+	}
+	*pos = c.PackOffset + c.BlobSize
+	if c.Encoding == format.EncodingRaw {
+		return frame, s.codec.Verify(c, frame)
+	}
+	return s.codec.Decode(c, frame, nil)
 }
 
 // requeue puts started call cl back in its queue, to be run again, unless

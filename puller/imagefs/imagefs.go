@@ -235,10 +235,23 @@ func ReadAt(ctx context.Context, c *cache.Store, file *File, dest []byte, off in
 	return nil
 }
 
+// Wanter is a ChunkSource that can be told, before the first Chunk call,
+// every chunk a read needs: a fetch scheduler then fetches the ones that
+// follow each other in a pack in one request.
+type Wanter interface {
+	Want(chunks []format.Chunk)
+}
+
 // readChunks fills dest with the file's bytes at off.
 func readChunks(ctx context.Context, cc *cache.Store, file *File, dest []byte, off int64, src format.ChunkSource, stats *Stats) error {
 	chunks := file.Chunks
 	i := sort.Search(len(chunks), func(i int) bool { return chunks[i].End() > off })
+	if w, ok := src.(Wanter); ok {
+		last := sort.Search(len(chunks), func(i int) bool { return chunks[i].Offset >= off+int64(len(dest)) })
+		if last-i > 1 {
+			w.Want(chunks[i:last])
+		}
+	}
 	done := 0
 	for done < len(dest) {
 		if i >= len(chunks) {

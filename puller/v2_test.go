@@ -1,0 +1,121 @@
+package puller
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/puller/cache"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/imagefs"
+	"github.com/cryo-oci/cryo/transfer"
+)
+
+// pushV2 makes a synthetic image dir and pushes it as name:v1 in format
+// v2 (64 KiB chunks in 4 MiB packs).
+func pushV2(t testing.TB, r *reg, name string, kind synth.Kind, size int64, seed uint64) (string, Source) {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, kind, size, seed); err != nil {
+		t.Fatal(err)
+	}
+	repo := r.repo(t, name+":v1")
+	res, err := transfer.Push(context.Background(), dir, repo, "v1", transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir, Source{Index: res.Descriptor, Endpoints: []fetch.Endpoint{{Name: "primary", Store: transfer.Ranged{Repository: repo}}}}
+}
+
+// TestV2FullLoadCoalescesFrames mounts a v2 snapshot on a cold node and
+// loads it whole: the frames of a pack are fetched in few range requests,
+// not one request per chunk, and every byte is the source's.
+func TestV2FullLoadCoalescesFrames(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 32<<20, 1)
+	chunks := len(snapshotChunks(t, s))
+	before := r.blobGets.Load()
+	m := mount(t, newPuller(t, Options{}), s)
+	waitLoaded(t, m)
+	gets := r.blobGets.Load() - before
+	// 32 MiB of random pages: 8 packs, about 512 chunks.
+	if chunks < 256 || gets > int64(chunks)/8 {
+		t.Fatalf("%d chunks loaded in %d blob requests: frames not coalesced", chunks, gets)
+	}
+	for _, name := range []string{"checkpoint.img", "pages_meta.img", "pages.img"} {
+		got, _ := os.ReadFile(filepath.Join(m.Dir(), name))
+		want, _ := os.ReadFile(filepath.Join(src, name))
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%s differs", name)
+		}
+	}
+	t.Logf("%d chunks, %d requests", chunks, gets)
+}
+
+// TestV2RandomSmallReadsMoveLittle reads 4 KiB at random offsets of a v2
+// snapshot's pages.img on a cold node cache, through the fetch scheduler
+// and the read path every presenter shares (imagefs.ReadAt), with no
+// background load: each read moves the one chunk it touches (at most 256
+// KiB), not a pack.
+func TestV2RandomSmallReadsMoveLittle(t *testing.T) {
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 64<<20, 2)
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	chunks := snapshotChunksOf(t, s, format.PagesFile)
+	c, err := cache.Open(t.TempDir(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	codec, err := format.NewCodec(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer codec.Close()
+	sched := fetch.New(s.Endpoints, c, codec, fetch.Options{})
+	defer sched.Close()
+	file := &imagefs.File{Path: format.PagesFile, Size: int64(len(want)), Chunks: chunks}
+	rng := rand.New(rand.NewPCG(3, 3))
+	buf := make([]byte, 4096)
+	const reads = 200
+	before := r.blobBytes.Load()
+	for range reads {
+		off := rng.Int64N(int64(len(want))/4096) * 4096
+		if err := imagefs.ReadAt(context.Background(), c, file, buf, off, scheduled{s: sched, prio: fetch.Read}, &imagefs.Stats{}); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(buf, want[off:off+4096]) {
+			t.Fatalf("bytes at %d differ", off)
+		}
+	}
+	moved := r.blobBytes.Load() - before
+	if moved > reads*256<<10 {
+		t.Fatalf("%d random 4 KiB reads moved %d bytes, %d per read: over 256 KiB each", reads, moved, moved/reads)
+	}
+	t.Logf("%d bytes per random 4 KiB read", moved/reads)
+}
+
+// snapshotChunksOf lists the chunks of file path of s's snapshot, in order.
+func snapshotChunksOf(t testing.TB, s Source, path string) []format.Chunk {
+	t.Helper()
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, s.Endpoints[0].Store, s.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := snap.File(path)
+	var out []format.Chunk
+	for part := range f.Parts {
+		pt, err := format.LoadPart(ctx, s.Endpoints[0].Store, f, part)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, pt.Table.Chunks...)
+	}
+	return out
+}
