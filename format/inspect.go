@@ -58,9 +58,15 @@ type Summary struct {
 	// StoredBytes is the size of the distinct chunk blobs of the snapshot,
 	// what a registry holding nothing else would store for its chunks.
 	StoredBytes int64 `json:"storedBytes"`
-	// Blobs is the number of distinct chunk blobs.
+	// Blobs is the number of distinct chunk blobs (format v2: packs).
 	Blobs  int            `json:"blobs"`
 	Chunks EncodingCounts `json:"chunks"`
+	// Version is the snapshot's format.
+	Version Version `json:"version"`
+	// PackBytes (format v2) is the size of the packs the snapshot lists:
+	// StoredBytes plus the frames of other snapshots' chunks in the packs
+	// it shares with them.
+	PackBytes int64 `json:"packBytes,omitempty"`
 }
 
 // Inspect loads the index and every chunk table of the snapshot desc (no
@@ -70,8 +76,9 @@ func Inspect(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor) 
 	if err != nil {
 		return nil, err
 	}
-	sum := &Summary{Digest: desc.Digest, Annotations: snap.Annotations, LogicalBytes: snap.LogicalSize()}
+	sum := &Summary{Digest: desc.Digest, Annotations: snap.Annotations, LogicalBytes: snap.LogicalSize(), Version: snap.Version}
 	all := map[digest.Digest]bool{}
+	packs := map[digest.Digest]int64{}
 	for i := range snap.Files {
 		f := &snap.Files[i]
 		fs := FileSummary{Path: f.Path, Size: f.Size, Mode: fmt.Sprintf("%04o", uint32(f.Mode.Perm())), Digest: f.Digest, Parts: len(f.Parts)}
@@ -87,12 +94,19 @@ func Inspect(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor) 
 				if c.Encoding == EncodingZero {
 					continue
 				}
-				if !inFile[c.Blob] {
-					inFile[c.Blob] = true
+				// A chunk is stored once: as its own blob (v1) or as a
+				// frame of a pack (v2).
+				key := c.Blob
+				if c.Packed() {
+					key = c.Digest
+					packs[c.Blob] = c.PackSize
+				}
+				if !inFile[key] {
+					inFile[key] = true
 					fs.StoredBytes += c.BlobSize
 				}
-				if !all[c.Blob] {
-					all[c.Blob] = true
+				if !all[key] {
+					all[key] = true
 					sum.StoredBytes += c.BlobSize
 				}
 			}
@@ -100,5 +114,11 @@ func Inspect(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor) 
 		sum.Files = append(sum.Files, fs)
 	}
 	sum.Blobs = len(all)
+	if snap.Version == V2 {
+		sum.Blobs = len(packs)
+		for _, n := range packs {
+			sum.PackBytes += n
+		}
+	}
 	return sum, nil
 }

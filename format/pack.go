@@ -347,7 +347,11 @@ func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
 		// destination (creating a blob file, an HTTP round trip).
 		opts.Concurrency = 4 * runtime.GOMAXPROCS(0)
 	}
-	codec, err := NewCodec(runtime.GOMAXPROCS(0))
+	level := ZstdLevel
+	if opts.Format == V2 {
+		level = ZstdLevelV2
+	}
+	codec, err := NewCodecLevel(runtime.GOMAXPROCS(0), level)
 	if err != nil {
 		return nil, err
 	}

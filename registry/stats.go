@@ -124,7 +124,7 @@ func (s *Server) countBlobs(ctx context.Context) (int, int64, error) {
 
 func (st *Stats) addSnapshot(payload []byte) {
 	var idx ocispec.Index
-	if json.Unmarshal(payload, &idx) != nil || idx.ArtifactType != format.ArtifactTypeSnapshot {
+	if json.Unmarshal(payload, &idx) != nil || !format.IsSnapshotArtifactType(idx.ArtifactType) {
 		return
 	}
 	st.Snapshots++
@@ -137,11 +137,11 @@ func (st *Stats) addSnapshot(payload []byte) {
 
 func (st *Stats) addChunks(payload []byte, seen map[digest.Digest]bool) {
 	var m ocispec.Manifest
-	if json.Unmarshal(payload, &m) != nil || m.ArtifactType != format.ArtifactTypeFile {
+	if json.Unmarshal(payload, &m) != nil || !format.IsFileArtifactType(m.ArtifactType) {
 		return
 	}
 	for _, l := range m.Layers {
-		if (l.MediaType == format.MediaTypeChunkRaw || l.MediaType == format.MediaTypeChunkZstd) && !seen[l.Digest] {
+		if (l.MediaType == format.MediaTypeChunkRaw || l.MediaType == format.MediaTypeChunkZstd || l.MediaType == format.MediaTypePack) && !seen[l.Digest] {
 			seen[l.Digest] = true
 			st.ChunkBlobs++
 			st.ChunkBlobBytes += l.Size

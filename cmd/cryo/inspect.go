@@ -51,7 +51,12 @@ if one exists at that path, else a registry reference (host/repo:tag).`,
 			fmt.Fprintf(w, "files     %d, %s logical\n", len(sum.Files), humanBytes(sum.LogicalBytes))
 			fmt.Fprintf(w, "chunks    %d: %d zero (%s), %d raw (%s), %d zstd (%s)\n", c.Total(),
 				c.Zero, humanBytes(c.ZeroBytes), c.Raw, humanBytes(c.RawBytes), c.Zstd, humanBytes(c.ZstdBytes))
-			fmt.Fprintf(w, "stored    %s in %d blobs (%s of logical)\n\n", humanBytes(sum.StoredBytes), sum.Blobs, percent(sum.StoredBytes, sum.LogicalBytes))
+			if sum.Version == format.V2 {
+				fmt.Fprintf(w, "format    v2: %d chunks in %d packs\n", sum.Chunks.Total(), sum.Blobs)
+				fmt.Fprintf(w, "stored    %s of chunks (%s of logical), in packs of %s (the rest: other snapshots' chunks in shared packs)\n\n", humanBytes(sum.StoredBytes), percent(sum.StoredBytes, sum.LogicalBytes), humanBytes(sum.PackBytes))
+			} else {
+				fmt.Fprintf(w, "stored    %s in %d blobs (%s of logical)\n\n", humanBytes(sum.StoredBytes), sum.Blobs, percent(sum.StoredBytes, sum.LogicalBytes))
+			}
 			tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "PATH\tSIZE\tMODE\tPARTS\tCHUNKS\tZERO\tRAW\tZSTD\tSTORED")
 			for _, f := range sum.Files {
