@@ -52,10 +52,10 @@ type reg struct {
 	// bodies.
 	blobGets  atomic.Int64
 	blobBytes atomic.Int64
-	mu       sync.Mutex
-	delay    time.Duration
-	down     bool
-	corrupt  map[string]bool // blob digests served with a flipped byte
+	mu        sync.Mutex
+	delay     time.Duration
+	down      bool
+	corrupt   map[string]bool // blob digests served with a flipped byte
 }
 
 func startReg(t testing.TB) *reg {
