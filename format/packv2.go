@@ -287,12 +287,38 @@ type TableResolver struct {
 	frames map[digest.Digest]Chunk
 }
 
-// NewTableResolver indexes the packed chunks of tables.
+// DefaultMinPackLive is the share of a pack's bytes the base's chunks must
+// use for a new snapshot to reuse frames from it (SPEC.md 15.5): chunks in
+// packs that are mostly other, older snapshots' memory are stored anew, so
+// that deleting old snapshots of a chain frees most of their bytes.
+const DefaultMinPackLive = 0.5
+
+// NewTableResolver indexes the packed chunks of tables, reusing frames of
+// packs the tables use at least DefaultMinPackLive of.
 func NewTableResolver(tables []*Table) *TableResolver {
+	return NewTableResolverLive(tables, DefaultMinPackLive)
+}
+
+// NewTableResolverLive is NewTableResolver reusing frames of packs the
+// tables use at least minLive (0..1) of.
+func NewTableResolverLive(tables []*Table, minLive float64) *TableResolver {
 	r := &TableResolver{frames: map[digest.Digest]Chunk{}}
+	used := map[digest.Digest]int64{}
+	seen := map[[2]any]bool{}
 	for _, t := range tables {
 		for _, c := range t.Chunks {
-			if c.Packed() {
+			if !c.Packed() {
+				continue
+			}
+			if k := [2]any{c.Blob, c.PackOffset}; !seen[k] {
+				seen[k] = true
+				used[c.Blob] += c.BlobSize
+			}
+		}
+	}
+	for _, t := range tables {
+		for _, c := range t.Chunks {
+			if c.Packed() && float64(used[c.Blob]) >= minLive*float64(c.PackSize) {
 				r.frames[c.Digest] = c
 			}
 		}

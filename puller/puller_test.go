@@ -56,6 +56,9 @@ type reg struct {
 	delay     time.Duration
 	down      bool
 	corrupt   map[string]bool // blob digests served with a flipped byte
+	// noRange drops Range headers: the registry answers 200 with the
+	// whole blob, as some registries and mirrors do.
+	noRange bool
 }
 
 func startReg(t testing.TB) *reg {
@@ -74,6 +77,9 @@ func startReg(t testing.TB) *reg {
 	r.http = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		r.mu.Lock()
 		delay, down := r.delay, r.down
+		if r.noRange {
+			req.Header.Del("Range")
+		}
 		corrupt := false
 		for d := range r.corrupt {
 			if strings.HasSuffix(req.URL.Path, "/blobs/"+d) {

@@ -31,6 +31,7 @@ import (
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/cryo-oci/cryo/format/layout"
 	"github.com/cryo-oci/cryo/internal/synth"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
 var avgsFlag = flag.String("v2-avgs", "32768,65536,131072", "v2 mean chunk sizes to compare (bytes)")
@@ -259,4 +260,127 @@ func writeFile(name string, fill func(io.Writer) error) error {
 		return err
 	}
 	return f.Close()
+}
+
+// BenchmarkChainWaste pushes a chain of 20 snapshots of one app, each
+// the one before with 5% of its pages rewritten and 16 runs inserted,
+// each against the one before as its base, then deletes the oldest 15,
+// and reports the waste: the bytes of the packs the 5 live snapshots list
+// that none of their chunks uses, as a share of the bytes their chunks
+// use.
+func BenchmarkChainWaste(b *testing.B) {
+	const links, live = 20, 5
+	for range b.N {
+		for _, minLive := range []float64{0, 0.5, 0.7, 0.8} {
+			ctx := context.Background()
+			store, err := layout.New(b.TempDir())
+			if err != nil {
+				b.Fatal(err)
+			}
+			dir, next := makePair(b, scenario{mib: 64, rewrite: 0.05})
+			var tables [][]*format.Table
+			var pushed int64 // by the 19 pushes after the first
+			for i := range links {
+				opts := format.PackOptions{Format: format.V2}
+				if i > 0 {
+					opts.Resolver = format.NewTableResolverLive(tables[i-1], minLive)
+				}
+				d, st, err := format.Pack(ctx, dir, store, opts)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if i > 0 {
+					pushed += st.UploadedBytes
+				}
+				tables = append(tables, snapshotTables(b, store, d))
+				if i < links-1 {
+					dir = mutate(b, dir, next, uint64(10+i))
+				}
+			}
+			// Frames by place (a chunk stored anew is a second frame),
+			// chunks by digest.
+			frames, chunks, packs := map[string]int64{}, map[string]int64{}, map[string]int64{}
+			for _, ts := range tables[links-live:] {
+				for _, t := range ts {
+					for _, c := range t.Chunks {
+						if c.Packed() {
+							frames[fmt.Sprint(c.Blob, c.PackOffset)] = c.BlobSize
+							chunks[c.Digest.String()] = c.BlobSize
+							packs[c.Blob.String()] = c.PackSize
+						}
+					}
+				}
+			}
+			var used, distinct, listed int64
+			for _, n := range frames {
+				used += n
+			}
+			for _, n := range chunks {
+				distinct += n
+			}
+			for _, n := range packs {
+				listed += n
+			}
+			b.Logf("chain of %d, %d live, reuse from packs at least %.0f%% live in the base: live frames %d bytes (chunks %d), their packs %d bytes: dead %.1f%% of live, duplicate frames %.1f%%; later pushes uploaded %d bytes each on average",
+				links, live, 100*minLive, used, distinct, listed, 100*float64(listed-used)/float64(used), 100*float64(used-distinct)/float64(distinct), pushed/(links-1))
+		}
+	}
+}
+
+// snapshotTables loads every chunk table of snapshot d.
+func snapshotTables(b *testing.B, store *layout.Store, d ocispec.Descriptor) []*format.Table {
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, store, d)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var out []*format.Table
+	for i := range snap.Files {
+		for part := range snap.Files[i].Parts {
+			pt, err := format.LoadPart(ctx, store, &snap.Files[i], part)
+			if err != nil {
+				b.Fatal(err)
+			}
+			out = append(out, pt.Table)
+		}
+	}
+	return out
+}
+
+// mutate writes a new image dir: dir with its pages.img mutated (seed).
+func mutate(b *testing.B, dir, _ string, seed uint64) string {
+	out := filepath.Join(b.TempDir(), "img")
+	if err := os.CopyFS(out, os.DirFS(dir)); err != nil {
+		b.Fatal(err)
+	}
+	src, err := os.Open(filepath.Join(dir, format.PagesFile))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer src.Close()
+	info, _ := src.Stat()
+	pages := info.Size() / synth.PageSize
+	plan := synth.MutationPlan(pages, 0, 0.05, seed)
+	rng := rand.New(rand.NewPCG(seed, 4))
+	for range 16 {
+		plan = append(plan, synth.Edit{Page: rng.Int64N(pages), Insert: 1 + rng.Int64N(8)})
+	}
+	sort.Slice(plan, func(i, j int) bool { return plan[i].Page < plan[j].Page })
+	var edits []synth.Edit
+	var end int64
+	for _, e := range plan {
+		if e.Page >= end {
+			edits = append(edits, e)
+			end = e.Page + max(e.Rewrite, 1)
+		}
+	}
+	os.Remove(filepath.Join(out, format.PagesFile))
+	err = writeFile(filepath.Join(out, format.PagesFile), func(w io.Writer) error {
+		_, err := synth.Mutate(w, bufio.NewReader(src), pages, edits, synth.Random, seed)
+		return err
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return out
 }
