@@ -644,9 +644,12 @@ func (p *packer) pushIfMissing(ctx context.Context, desc ocispec.Descriptor, dat
 }
 
 // pushParts splits a file's chunks into parts of at most MaxChunksPerPart,
-// pushes each part's chunk table and manifest, and returns the annotated
-// manifest descriptors in order.
+// pushes each part's chunk table and manifest in the packer's format, and
+// returns the annotated manifest descriptors in order. A v1 manifest's
+// layers are the part's chunk blobs, a v2 manifest's its packs, in order of
+// first use.
 func (p *packer) pushParts(ctx context.Context, f fileEntry, size int64, fileDigest digest.Digest, chunks []Chunk) ([]ocispec.Descriptor, error) {
+	v := p.opts.Format
 	nparts := max(1, (len(chunks)+MaxChunksPerPart-1)/MaxChunksPerPart)
 	if nparts > MaxParts {
 		return nil, fmt.Errorf("%s needs %d parts: %w (limit %d)", f.path, nparts, ErrTooLarge, MaxParts)
@@ -660,23 +663,31 @@ func (p *packer) pushParts(ctx context.Context, f fileEntry, size int64, fileDig
 			length += c.Size
 		}
 		t := Table{Path: f.path, Size: size, Mode: uint32(f.mode), Digest: fileDigest, Part: part, Parts: nparts,
-			Offset: offset, Length: length, Chunker: p.opts.Chunking, Chunks: pc}
+			Offset: offset, Length: length, Chunker: p.opts.Chunking, Chunks: pc, Version: v}
 		if t.Chunks == nil {
 			t.Chunks = []Chunk{}
+		}
+		layers := partLayers(pc)
+		if v == V2 {
+			t.Packs = layers
 		}
 		if err := t.Validate(); err != nil {
 			return nil, fmt.Errorf("internal error: %w", err)
 		}
-		tdesc, err := p.pushJSON(ctx, MediaTypeChunkTable, "", t)
+		data, err := t.Marshal()
+		if err != nil {
+			return nil, fmt.Errorf("internal error: %w", err)
+		}
+		tdesc, err := p.pushBytes(ctx, v.tableMediaType(), "", data)
 		if err != nil {
 			return nil, fmt.Errorf("push chunk table of %s: %w", f.path, err)
 		}
 		m := ocispec.Manifest{
 			Versioned:    specsVersioned,
 			MediaType:    ocispec.MediaTypeImageManifest,
-			ArtifactType: ArtifactTypeFile,
+			ArtifactType: v.fileArtifactType(),
 			Config:       tdesc,
-			Layers:       partLayers(pc),
+			Layers:       layers,
 		}
 		if len(m.Layers) == 0 {
 			// OCI 1.1: a manifest with no layers uses the empty descriptor.
@@ -685,7 +696,7 @@ func (p *packer) pushParts(ctx context.Context, f fileEntry, size int64, fileDig
 			}
 			m.Layers = []ocispec.Descriptor{emptyLayer()}
 		}
-		mdesc, err := p.pushJSON(ctx, ocispec.MediaTypeImageManifest, ArtifactTypeFile, m)
+		mdesc, err := p.pushJSON(ctx, ocispec.MediaTypeImageManifest, v.fileArtifactType(), m)
 		if err != nil {
 			return nil, fmt.Errorf("push manifest of %s: %w", f.path, err)
 		}

@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"io"
-	"strconv"
 
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/cryo-oci/cryo/internal/ordered"
@@ -169,7 +168,7 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 		}
 	}
 	p.mu.Unlock()
-	descs, err := p.pushPartsV2(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
+	descs, err := p.pushParts(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
 	return descs, size, err
 }
 
@@ -216,67 +215,6 @@ func (p *packer) identifyV2(ctx context.Context, data []byte) (v2Result, error) 
 	// In a pack the frame's blob is the pack: set when it is sealed.
 	c.Blob = ""
 	return v2Result{chunk: c, frame: frame, zbuf: zbuf}, nil
-}
-
-// pushPartsV2 splits a file's chunks into parts of at most
-// MaxChunksPerPart, pushes each part's v2 chunk table and manifest (its
-// layers: the packs its chunks lie in, in order of first use) and returns
-// the annotated manifest descriptors in order.
-func (p *packer) pushPartsV2(ctx context.Context, f fileEntry, size int64, fileDigest digest.Digest, chunks []Chunk) ([]ocispec.Descriptor, error) {
-	nparts := max(1, (len(chunks)+MaxChunksPerPart-1)/MaxChunksPerPart)
-	if nparts > MaxParts {
-		return nil, fmt.Errorf("%s needs %d parts: %w (limit %d)", f.path, nparts, ErrTooLarge, MaxParts)
-	}
-	var descs []ocispec.Descriptor
-	var offset int64
-	for part := range nparts {
-		pc := chunks[min(part*MaxChunksPerPart, len(chunks)):min((part+1)*MaxChunksPerPart, len(chunks))]
-		var length int64
-		for _, c := range pc {
-			length += c.Size
-		}
-		t := Table{Path: f.path, Size: size, Mode: uint32(f.mode), Digest: fileDigest, Part: part, Parts: nparts,
-			Offset: offset, Length: length, Chunker: p.opts.Chunking, Chunks: pc, Version: V2, Packs: partLayers(pc)}
-		if err := t.Validate(); err != nil {
-			return nil, fmt.Errorf("internal error: %w", err)
-		}
-		data, err := t.Marshal()
-		if err != nil {
-			return nil, fmt.Errorf("internal error: %w", err)
-		}
-		tdesc, err := p.pushBytes(ctx, MediaTypeChunkTableV2, "", data)
-		if err != nil {
-			return nil, fmt.Errorf("push chunk table of %s: %w", f.path, err)
-		}
-		m := ocispec.Manifest{
-			Versioned:    specsVersioned,
-			MediaType:    ocispec.MediaTypeImageManifest,
-			ArtifactType: ArtifactTypeFileV2,
-			Config:       tdesc,
-			Layers:       t.Packs,
-		}
-		if len(m.Layers) == 0 {
-			if _, err := p.pushIfMissing(ctx, ocispec.DescriptorEmptyJSON, ocispec.DescriptorEmptyJSON.Data); err != nil {
-				return nil, err
-			}
-			m.Layers = []ocispec.Descriptor{emptyLayer()}
-		}
-		mdesc, err := p.pushJSON(ctx, ocispec.MediaTypeImageManifest, ArtifactTypeFileV2, m)
-		if err != nil {
-			return nil, fmt.Errorf("push manifest of %s: %w", f.path, err)
-		}
-		mdesc.Annotations = map[string]string{
-			AnnotationFilePath:   f.path,
-			AnnotationFileSize:   strconv.FormatInt(size, 10),
-			AnnotationFileMode:   fmt.Sprintf("%04o", uint32(f.mode)),
-			AnnotationFileDigest: fileDigest.String(),
-			AnnotationPartOffset: strconv.FormatInt(offset, 10),
-			AnnotationPartLength: strconv.FormatInt(length, 10),
-		}
-		descs = append(descs, mdesc)
-		offset += length
-	}
-	return descs, nil
 }
 
 // TableResolver resolves chunks to the frames where tables already loaded

@@ -331,6 +331,23 @@ func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Par
 	return &PartTable{Manifest: m, Table: t}, nil
 }
 
+// LoadTables loads the chunk table of every part of every file of snap,
+// in order.
+func LoadTables(ctx context.Context, src content.Fetcher, snap *Snapshot) ([]*Table, error) {
+	var out []*Table
+	for i := range snap.Files {
+		f := &snap.Files[i]
+		for part := range f.Parts {
+			pt, err := LoadPart(ctx, src, f, part)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, pt.Table)
+		}
+	}
+	return out, nil
+}
+
 // LoadSnapshot fetches, verifies and parses the snapshot index desc.
 func LoadSnapshot(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor) (*Snapshot, error) {
 	if desc.MediaType != ocispec.MediaTypeImageIndex {

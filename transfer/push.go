@@ -113,16 +113,9 @@ func useBase(ctx context.Context, repo *remote.Repository, tag string, opts Push
 		}
 		return nil, nil
 	}
-	var tables []*format.Table
-	for i := range snap.Files {
-		f := &snap.Files[i]
-		for part := range f.Parts {
-			pt, err := format.LoadPart(ctx, repo, f, part)
-			if err != nil {
-				return nil, fmt.Errorf("base %s: %w", ref, err)
-			}
-			tables = append(tables, pt.Table)
-		}
+	tables, err := format.LoadTables(ctx, repo, snap)
+	if err != nil {
+		return nil, fmt.Errorf("base %s: %w", ref, err)
 	}
 	popts.Resolver = format.NewTableResolver(tables)
 	return &desc, nil

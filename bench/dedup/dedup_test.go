@@ -119,21 +119,7 @@ func addedBytes(b *testing.B, first, second string, opts format.PackOptions) (ad
 	}
 	firstSize = blobBytes(b, root)
 	if opts.Format == format.V2 {
-		snap, err := format.LoadSnapshot(ctx, store, d1)
-		if err != nil {
-			b.Fatal(err)
-		}
-		var tables []*format.Table
-		for i := range snap.Files {
-			for part := range snap.Files[i].Parts {
-				pt, err := format.LoadPart(ctx, store, &snap.Files[i], part)
-				if err != nil {
-					b.Fatal(err)
-				}
-				tables = append(tables, pt.Table)
-			}
-		}
-		opts.Resolver = format.NewTableResolver(tables)
+		opts.Resolver = format.NewTableResolver(snapshotTables(b, store, d1))
 	}
 	_, st, err = format.Pack(ctx, second, store, opts)
 	if err != nil {
@@ -184,20 +170,7 @@ func makePair(b *testing.B, sc scenario) (first, second string) {
 	if err := writeFile(filepath.Join(first, format.PagesFile), func(w io.Writer) error { return mixedPages(w, pages, 1) }); err != nil {
 		b.Fatal(err)
 	}
-	plan := synth.MutationPlan(pages, 0, sc.rewrite, 2)
-	rng := rand.New(rand.NewPCG(3, 4))
-	for range 16 {
-		plan = append(plan, synth.Edit{Page: rng.Int64N(pages), Insert: 1 + rng.Int64N(8)})
-	}
-	sort.Slice(plan, func(i, j int) bool { return plan[i].Page < plan[j].Page })
-	var edits []synth.Edit
-	var end int64
-	for _, e := range plan {
-		if e.Page >= end {
-			edits = append(edits, e)
-			end = e.Page + max(e.Rewrite, 1)
-		}
-	}
+	edits := secondPlan(pages, sc.rewrite, 2)
 	src, err := os.Open(filepath.Join(first, format.PagesFile))
 	if err != nil {
 		b.Fatal(err)
@@ -211,6 +184,27 @@ func makePair(b *testing.B, sc scenario) (first, second string) {
 		b.Fatal(err)
 	}
 	return first, second
+}
+
+// secondPlan is the edits that make the next snapshot of an app of pages
+// pages: rewrite of the pages in runs of 16-256, and 16 inserted runs of
+// 1-8 pages, sorted and not overlapping.
+func secondPlan(pages int64, rewrite float64, seed uint64) []synth.Edit {
+	plan := synth.MutationPlan(pages, 0, rewrite, seed)
+	rng := rand.New(rand.NewPCG(seed, 4))
+	for range 16 {
+		plan = append(plan, synth.Edit{Page: rng.Int64N(pages), Insert: 1 + rng.Int64N(8)})
+	}
+	sort.Slice(plan, func(i, j int) bool { return plan[i].Page < plan[j].Page })
+	var edits []synth.Edit
+	var end int64
+	for _, e := range plan {
+		if e.Page >= end {
+			edits = append(edits, e)
+			end = e.Page + max(e.Rewrite, 1)
+		}
+	}
+	return edits
 }
 
 // mixedPages writes n pages in runs of 1-64 pages: 50% random, 30%
@@ -334,15 +328,9 @@ func snapshotTables(b *testing.B, store *layout.Store, d ocispec.Descriptor) []*
 	if err != nil {
 		b.Fatal(err)
 	}
-	var out []*format.Table
-	for i := range snap.Files {
-		for part := range snap.Files[i].Parts {
-			pt, err := format.LoadPart(ctx, store, &snap.Files[i], part)
-			if err != nil {
-				b.Fatal(err)
-			}
-			out = append(out, pt.Table)
-		}
+	out, err := format.LoadTables(ctx, store, snap)
+	if err != nil {
+		b.Fatal(err)
 	}
 	return out
 }
@@ -360,20 +348,7 @@ func mutate(b *testing.B, dir, _ string, seed uint64) string {
 	defer src.Close()
 	info, _ := src.Stat()
 	pages := info.Size() / synth.PageSize
-	plan := synth.MutationPlan(pages, 0, 0.05, seed)
-	rng := rand.New(rand.NewPCG(seed, 4))
-	for range 16 {
-		plan = append(plan, synth.Edit{Page: rng.Int64N(pages), Insert: 1 + rng.Int64N(8)})
-	}
-	sort.Slice(plan, func(i, j int) bool { return plan[i].Page < plan[j].Page })
-	var edits []synth.Edit
-	var end int64
-	for _, e := range plan {
-		if e.Page >= end {
-			edits = append(edits, e)
-			end = e.Page + max(e.Rewrite, 1)
-		}
-	}
+	edits := secondPlan(pages, 0.05, seed)
 	os.Remove(filepath.Join(out, format.PagesFile))
 	err = writeFile(filepath.Join(out, format.PagesFile), func(w io.Writer) error {
 		_, err := synth.Mutate(w, bufio.NewReader(src), pages, edits, synth.Random, seed)
