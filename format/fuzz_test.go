@@ -48,6 +48,43 @@ func FuzzParseTable(f *testing.F) {
 	})
 }
 
+// FuzzParseTableV2 checks that no input makes the v2 chunk table parser
+// panic or accept a table whose frames lie outside their packs or whose
+// chunks do not tile the part, and that what it accepts encodes back to a
+// table it accepts.
+func FuzzParseTableV2(f *testing.F) {
+	f.Add([]byte(`{"path":"pages.img","size":12288,"mode":420,"digest":"sha256:` + hex64 + `","part":0,"parts":1,"offset":0,"length":12288,"chunker":{"algorithm":"page-cdc","min":16384,"avg":65536,"max":262144},"packs":[{"digest":"sha256:` + hex64 + `","size":5000}],"chunks":[{"size":4096,"encoding":"zero"},{"size":4096,"encoding":"raw","digest":"sha256:` + hex64 + `","pack":0,"packOffset":0,"packLength":4096},{"size":4096,"encoding":"zstd","digest":"sha256:` + hex64 + `","pack":0,"packOffset":4096,"packLength":904}]}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		tab, err := ParseTableV2(data)
+		if err != nil {
+			if !errors.Is(err, ErrInvalid) && !errors.Is(err, ErrTooLarge) {
+				t.Fatalf("error without a sentinel: %v", err)
+			}
+			return
+		}
+		next := tab.Offset
+		for _, c := range tab.Chunks {
+			if c.Offset != next || c.Size <= 0 || c.Size > MaxChunkSize {
+				t.Fatalf("accepted bad chunk %+v", c)
+			}
+			if c.Encoding != EncodingZero && (!c.Packed() || c.PackOffset < 0 || c.PackOffset+c.BlobSize > c.PackSize || c.PackSize > MaxPackSize || c.BlobSize <= 0) {
+				t.Fatalf("accepted a frame outside its pack: %+v", c)
+			}
+			next = c.End()
+		}
+		if next != tab.Offset+tab.Length || tab.Offset+tab.Length > tab.Size {
+			t.Fatalf("accepted a table whose chunks end at %d", next)
+		}
+		again, err := tab.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ParseTableV2(again); err != nil {
+			t.Fatalf("re-encoded table does not parse: %v", err)
+		}
+	})
+}
+
 const hex64 = "0000000000000000000000000000000000000000000000000000000000000000"
 
 // FuzzParseIndex checks that no input makes the snapshot index parser panic
