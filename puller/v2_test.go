@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
@@ -164,5 +165,25 @@ func TestV2CorruptPackFailsOverToMirror(t *testing.T) {
 	}
 	if good.blobGets.Load() == 0 {
 		t.Fatal("nothing was fetched from the good endpoint")
+	}
+}
+
+// TestV2RegistryOutageMidLoad takes the registry's blobs down right after
+// a v2 mount is ready, for half a second: the range requests fail, their
+// chunks are fetched on their own with retries, and every byte arrives.
+func TestV2RegistryOutageMidLoad(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 16<<20, 6)
+	r.set(func(r *reg) { r.delay = 20 * time.Millisecond })
+	m := mount(t, newPuller(t, Options{}), s)
+	r.set(func(r *reg) { r.down = true })
+	time.Sleep(500 * time.Millisecond)
+	r.set(func(r *reg) { r.down = false; r.delay = 0 })
+	waitLoaded(t, m)
+	got, _ := os.ReadFile(filepath.Join(m.Dir(), "pages.img"))
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	if !bytes.Equal(got, want) {
+		t.Fatal("pages.img differs")
 	}
 }

@@ -167,6 +167,9 @@ type call struct {
 	// which this scheduler leads.
 	batch   []*call
 	flights []*flight
+	// single: a range request with this call's frame failed; it is
+	// fetched on its own (retries, backoff), never coalesced again.
+	single bool
 	// demand: a read (Get) waits for the call, not only prefetches.
 	demand bool
 	// done is closed when the call is over (finished set): the chunk is
@@ -430,7 +433,7 @@ func (s *Scheduler) next() (*call, Priority) {
 				cl.started = true
 				s.active[p]++
 				s.record(cl)
-				if p != Fault && cl.chunk.Packed() {
+				if p != Fault && cl.chunk.Packed() && !cl.single {
 					s.coalesce(cl, p)
 				}
 				return cl, p
@@ -463,7 +466,7 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 			continue
 		}
 		c := next.chunk
-		if !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > MaxCoalesce {
+		if next.single || !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > MaxCoalesce {
 			break
 		}
 		var f *flight
@@ -648,13 +651,30 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		return
 	}
 	done := s.fetchRange(todo, tflights, ends)
+	// The rest go back in their queues, each to be fetched on its own by
+	// any worker (with retries and backoff), rather than one after the
+	// other here. Their node-wide fetches end first: other mounts waiting
+	// on them fetch for themselves.
 	for i := done; i < len(todo); i++ {
-		var verified func([]byte)
-		if tflights[i] != nil {
-			verified = tflights[i].verify
+		cl := todo[i]
+		if f := tflights[i]; f != nil {
+			s.opts.InFlight.end(keyOf(cl.chunk), f, nil, errRangeFailed)
 		}
-		s.fetchAndStore(todo[i], verified, ends[i])
+		if !s.requeueSingle(cl) {
+			s.finish(cl, nil, ErrClosed)
+		}
 	}
+}
+
+// errRangeFailed ends a node-wide fetch whose range request failed.
+var errRangeFailed = errors.New("range request failed; the chunk is fetched on its own")
+
+// requeueSingle is requeue for a call to be fetched on its own.
+func (s *Scheduler) requeueSingle(cl *call) bool {
+	s.mu.Lock()
+	cl.single = true
+	s.mu.Unlock()
+	return s.requeue(cl)
 }
 
 // fetchRange reads the frames of calls (in one pack, in ascending order)
