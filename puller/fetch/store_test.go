@@ -289,6 +289,18 @@ func TestCloseWritesQueuedChunks(t *testing.T) {
 		}
 	}
 	wait(t, held.entered, "the first cache write")
+	// A read goes on as soon as its chunk is verified, before its write
+	// is queued: wait until the second is queued behind the held one.
+	queued := func() bool {
+		s.w.mu.Lock()
+		defer s.w.mu.Unlock()
+		return len(s.w.queue) >= 1
+	}
+	for deadline := time.Now().Add(hangLimit); !queued(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the second chunk's write was never queued")
+		}
+	}
 	closed := make(chan struct{})
 	go func() { s.Close(); close(closed) }()
 	deadline := time.Now().Add(hangLimit)
