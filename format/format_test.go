@@ -611,13 +611,37 @@ func TestUnpackRefusesCorruptBlob(t *testing.T) {
 func TestPackerStreamsGiveThePackedSnapshot(t *testing.T) {
 	ctx := context.Background()
 	src := makeImageDir(t)
-	_, want, _ := packToLayout(t, src, PackOptions{})
+	for _, v := range []Version{V1, V2} {
+		t.Run(v.String(), func(t *testing.T) { streamsGiveThePackedSnapshot(t, src, v) })
+	}
+	pk2, _ := NewPacker(memory.New(), PackOptions{})
+	defer pk2.Close()
+	pr, pw := io.Pipe()
+	started := make(chan struct{})
+	go func() {
+		pw.Write([]byte("some"))
+		close(started)
+	}()
+	go pk2.AddFile(ctx, "pages.img", 0o644, pr)
+	<-started
+	if _, _, err := pk2.Finish(ctx); err == nil {
+		t.Error("Finish with a file still being added: no error")
+	}
+	pw.CloseWithError(errors.New("gone"))
+}
+
+// streamsGiveThePackedSnapshot adds the files of src to a Packer of
+// format v as concurrent streams: the snapshot is the one Pack makes.
+func streamsGiveThePackedSnapshot(t *testing.T, src string, v Version) {
+	ctx := context.Background()
+	_, want, _ := packToLayout(t, src, PackOptions{Format: v})
+
 	files, err := listFiles(src)
 	if err != nil {
 		t.Fatal(err)
 	}
 	store := memory.New()
-	pk, err := NewPacker(store, PackOptions{})
+	pk, err := NewPacker(store, PackOptions{Format: v})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -663,18 +687,4 @@ func TestPackerStreamsGiveThePackedSnapshot(t *testing.T) {
 		t.Fatalf("streamed snapshot %s (%d files), packed %s (%d)", got.Digest, st.Files, want.Digest, len(files))
 	}
 
-	pk2, _ := NewPacker(memory.New(), PackOptions{})
-	defer pk2.Close()
-	pr, pw := io.Pipe()
-	started := make(chan struct{})
-	go func() {
-		pw.Write([]byte("some"))
-		close(started)
-	}()
-	go pk2.AddFile(ctx, "pages.img", 0o644, pr)
-	<-started
-	if _, _, err := pk2.Finish(ctx); err == nil {
-		t.Error("Finish with a file still being added: no error")
-	}
-	pw.CloseWithError(errors.New("gone"))
 }

@@ -311,10 +311,8 @@ type packer struct {
 	mu    sync.Mutex
 	blobs map[digest.Digest]bool // blob digest -> uploaded by us
 	stats PackStats
-	// Format v2: placed holds the chunks in packs this packer stored;
-	// chunkSeen the chunks counted in StoredBytes; newChunk the chunks it
-	// compressed (not reused).
-	placed    map[digest.Digest]Chunk
+	// Format v2: chunkSeen holds the chunks counted in StoredBytes;
+	// newChunk the chunks it compressed (not reused).
 	chunkSeen map[digest.Digest]bool
 	newChunk  map[digest.Digest]bool
 }
@@ -357,8 +355,8 @@ func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
 	}
 	max := opts.Chunking.Max
 	p := &packer{dst: dst, opts: opts, codec: codec, blobs: map[digest.Digest]bool{},
-		stats:  PackStats{Chunks: map[Encoding]int{}},
-		placed: map[digest.Digest]Chunk{}, chunkSeen: map[digest.Digest]bool{}, newChunk: map[digest.Digest]bool{}}
+		stats:     PackStats{Chunks: map[Encoding]int{}},
+		chunkSeen: map[digest.Digest]bool{}, newChunk: map[digest.Digest]bool{}}
 	p.bufs.New = func() any { b := make([]byte, 0, max); return &b }
 	return p, nil
 }
@@ -503,22 +501,7 @@ func (p *packer) packStream(ctx context.Context, f fileEntry, r io.Reader) ([]oc
 	fileHash := sha256.New()
 	var chunks []Chunk
 	var size int64
-	produce := func(ctx context.Context, emit func(packJob) error) error {
-		for {
-			data, off, err := ck.Next()
-			if err == io.EOF {
-				return nil
-			}
-			if err != nil {
-				return fmt.Errorf("read %s: %w", f.path, err)
-			}
-			buf := p.bufs.Get().(*[]byte)
-			*buf = append((*buf)[:0], data...)
-			if err := emit(packJob{buf: buf, offset: off}); err != nil {
-				return err
-			}
-		}
-	}
+	produce := p.chunkJobs(ck, f.path)
 	work := func(ctx context.Context, j packJob) (packResult, error) {
 		c, err := p.storeChunk(ctx, *j.buf)
 		c.Offset = j.offset
@@ -542,6 +525,27 @@ func (p *packer) packStream(ctx context.Context, f fileEntry, r io.Reader) ([]oc
 	p.mu.Unlock()
 	descs, err := p.pushParts(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
 	return descs, size, err
+}
+
+// chunkJobs returns the producer of packStream's pipelines: the chunks ck
+// cuts from the file at path, each copied into a pooled buffer.
+func (p *packer) chunkJobs(ck *chunker.Chunker, path string) func(context.Context, func(packJob) error) error {
+	return func(ctx context.Context, emit func(packJob) error) error {
+		for {
+			data, off, err := ck.Next()
+			if err == io.EOF {
+				return nil
+			}
+			if err != nil {
+				return fmt.Errorf("read %s: %w", path, err)
+			}
+			buf := p.bufs.Get().(*[]byte)
+			*buf = append((*buf)[:0], data...)
+			if err := emit(packJob{buf: buf, offset: off}); err != nil {
+				return err
+			}
+		}
+	}
 }
 
 // storeChunk encodes data and pushes its blob unless dst has it.

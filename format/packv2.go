@@ -27,19 +27,12 @@ type v2Result struct {
 	frame []byte
 }
 
-// openPack is the pack a file's new chunks are appended to, in file order.
-type openPack struct {
-	buf []byte
-	// members are the indices in the file's chunk list of the chunks whose
-	// frames are in buf.
-	members []int
-	// frames finds a chunk already in buf, by digest.
-	frames map[digest.Digest]Chunk
-}
-
 // packStreamV2 is packStream for format v2: the file's new chunks go, in
-// order, into packs of about PackOptions.PackSize; chunks the resolver or
-// an earlier pack of this packer has are referenced where they lie.
+// order, into packs of about PackOptions.PackSize; chunks the resolver
+// knows are referenced where they lie, and a chunk seen before in the file
+// references its first frame. Nothing depends on other files packed at
+// the same time, so a snapshot's digest is the same however its files
+// are added.
 func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]ocispec.Descriptor, int64, error) {
 	ck, err := chunker.New(r, p.opts.Chunking)
 	if err != nil {
@@ -50,62 +43,34 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	var size int64
 	uploads, uctx := errgroup.WithContext(ctx)
 	uploads.SetLimit(packUploads)
-	// sealed holds the chunks of this file's packs sealed so far (their
-	// uploads may still run), found by digest.
-	sealed := map[digest.Digest]Chunk{}
-	cur := &openPack{frames: map[digest.Digest]Chunk{}}
+	// pack is the open pack, members the indices in chunks of the chunks
+	// whose frames it holds; first finds the first entry of a chunk
+	// stored in this file, and dups lists the later entries of one, set
+	// from it once every pack is sealed.
+	pack := make([]byte, 0, p.opts.PackSize)
+	var members []int
+	first := map[digest.Digest]int{}
+	var dups [][2]int // {entry, first entry}
 	seal := func() {
-		if len(cur.buf) == 0 {
+		if len(pack) == 0 {
 			return
 		}
-		data := cur.buf
+		data := pack
 		desc := ocispec.Descriptor{MediaType: MediaTypePack, Digest: digest.FromBytes(data), Size: int64(len(data))}
-		placed := make([]Chunk, 0, len(cur.members))
-		for _, i := range cur.members {
-			c := &chunks[i]
-			c.Blob, c.PackSize = desc.Digest, desc.Size
-			sealed[c.Digest] = *c
-			placed = append(placed, *c)
+		for _, i := range members {
+			chunks[i].Blob, chunks[i].PackSize = desc.Digest, desc.Size
 		}
 		uploads.Go(func() error {
 			uploaded, err := p.pushIfMissing(uctx, desc, data)
 			if err != nil {
 				return fmt.Errorf("store pack %s: %w", desc.Digest, err)
 			}
-			p.mu.Lock()
-			defer p.mu.Unlock()
-			if uploaded {
-				p.stats.UploadedBytes += desc.Size
-				p.stats.BlobsUploaded++
-			} else {
-				p.stats.BlobsSkipped++
-			}
-			// Only now may other files of this snapshot refer to it: their
-			// manifests may be pushed before this file's.
-			for _, c := range placed {
-				p.placed[c.Digest] = c
-			}
+			p.count(uploaded, desc.Size)
 			return nil
 		})
-		cur = &openPack{buf: make([]byte, 0, p.opts.PackSize), frames: map[digest.Digest]Chunk{}}
+		pack, members = make([]byte, 0, p.opts.PackSize), nil
 	}
-	cur.buf = make([]byte, 0, p.opts.PackSize)
-	produce := func(ctx context.Context, emit func(packJob) error) error {
-		for {
-			data, off, err := ck.Next()
-			if err == io.EOF {
-				return nil
-			}
-			if err != nil {
-				return fmt.Errorf("read %s: %w", f.path, err)
-			}
-			buf := p.bufs.Get().(*[]byte)
-			*buf = append((*buf)[:0], data...)
-			if err := emit(packJob{buf: buf, offset: off}); err != nil {
-				return err
-			}
-		}
-	}
+	produce := p.chunkJobs(ck, f.path)
 	work := func(ctx context.Context, j packJob) (v2Result, error) {
 		res, err := p.identifyV2(ctx, *j.buf)
 		res.buf, res.chunk.Offset = j.buf, j.offset
@@ -116,21 +81,17 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 		size += int64(len(*r.buf))
 		c := r.chunk
 		if r.frame != nil {
-			if prev, ok := cur.frames[c.Digest]; ok {
-				c = prev
-				cur.members = append(cur.members, len(chunks))
-			} else if prev, ok := sealed[c.Digest]; ok {
-				c = prev
+			if j, ok := first[c.Digest]; ok {
+				dups = append(dups, [2]int{len(chunks), j})
 			} else {
-				if len(cur.buf) > 0 && len(cur.buf)+len(r.frame) > p.opts.PackSize {
+				if len(pack) > 0 && len(pack)+len(r.frame) > p.opts.PackSize {
 					seal()
 				}
-				c.PackOffset = int64(len(cur.buf))
-				cur.buf = append(cur.buf, r.frame...)
-				cur.members = append(cur.members, len(chunks))
-				cur.frames[c.Digest] = c
+				c.PackOffset = int64(len(pack))
+				pack = append(pack, r.frame...)
+				members = append(members, len(chunks))
+				first[c.Digest] = len(chunks)
 			}
-			c.Offset = r.chunk.Offset
 		}
 		p.bufs.Put(r.buf)
 		if r.zbuf != nil {
@@ -149,6 +110,11 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("pack %s: %w", f.path, err)
+	}
+	for _, d := range dups {
+		off := chunks[d[0]].Offset
+		chunks[d[0]] = chunks[d[1]]
+		chunks[d[0]].Offset = off
 	}
 	p.mu.Lock()
 	p.stats.LogicalBytes += size
@@ -172,19 +138,13 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	return descs, size, err
 }
 
-// identifyV2 hashes data and, unless it is zero or already stored (the
-// resolver's packs, this packer's), compresses it: the result's frame is
-// then what a new pack will hold.
+// identifyV2 hashes data and, unless it is zero or the resolver knows a
+// frame of it, compresses it: the result's frame is then what a new pack
+// will hold.
 func (p *packer) identifyV2(ctx context.Context, data []byte) (v2Result, error) {
 	c := p.codec.Identify(data)
 	if c.Encoding == EncodingZero {
 		return v2Result{chunk: c}, nil
-	}
-	p.mu.Lock()
-	prev, ok := p.placed[c.Digest]
-	p.mu.Unlock()
-	if ok {
-		return v2Result{chunk: prev}, nil
 	}
 	if p.opts.Resolver != nil {
 		rc, ok, err := p.opts.Resolver.ResolveChunk(ctx, c)
@@ -242,13 +202,17 @@ func NewTableResolver(tables []*Table) *TableResolver {
 func NewTableResolverLive(tables []*Table, minLive float64) *TableResolver {
 	r := &TableResolver{frames: map[digest.Digest]Chunk{}}
 	used := map[digest.Digest]int64{}
-	seen := map[[2]any]bool{}
+	type frame struct {
+		pack digest.Digest
+		off  int64
+	}
+	seen := map[frame]bool{}
 	for _, t := range tables {
 		for _, c := range t.Chunks {
 			if !c.Packed() {
 				continue
 			}
-			if k := [2]any{c.Blob, c.PackOffset}; !seen[k] {
+			if k := (frame{c.Blob, c.PackOffset}); !seen[k] {
 				seen[k] = true
 				used[c.Blob] += c.BlobSize
 			}

@@ -167,7 +167,7 @@ func makePair(b *testing.B, sc scenario) (first, second string) {
 			}
 		}
 	}
-	if err := writeFile(filepath.Join(first, format.PagesFile), func(w io.Writer) error { return mixedPages(w, pages, 1) }); err != nil {
+	if err := synth.WriteFile(filepath.Join(first, format.PagesFile), func(w io.Writer) error { return mixedPages(w, pages, 1) }); err != nil {
 		b.Fatal(err)
 	}
 	edits := secondPlan(pages, sc.rewrite, 2)
@@ -176,7 +176,7 @@ func makePair(b *testing.B, sc scenario) (first, second string) {
 		b.Fatal(err)
 	}
 	defer src.Close()
-	err = writeFile(filepath.Join(second, format.PagesFile), func(w io.Writer) error {
+	err = synth.WriteFile(filepath.Join(second, format.PagesFile), func(w io.Writer) error {
 		_, err := synth.Mutate(w, bufio.NewReader(src), pages, edits, synth.Random, 5)
 		return err
 	})
@@ -237,23 +237,6 @@ func mixedPages(w io.Writer, n int64, seed uint64) error {
 		at += run
 	}
 	return nil
-}
-
-func writeFile(name string, fill func(io.Writer) error) error {
-	f, err := os.Create(name)
-	if err != nil {
-		return err
-	}
-	bw := bufio.NewWriter(f)
-	if err := fill(bw); err != nil {
-		f.Close()
-		return err
-	}
-	if err := bw.Flush(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
 }
 
 // BenchmarkChainWaste pushes a chain of 20 snapshots of one app, each
@@ -350,7 +333,7 @@ func mutate(b *testing.B, dir, _ string, seed uint64) string {
 	pages := info.Size() / synth.PageSize
 	edits := secondPlan(pages, 0.05, seed)
 	os.Remove(filepath.Join(out, format.PagesFile))
-	err = writeFile(filepath.Join(out, format.PagesFile), func(w io.Writer) error {
+	err = synth.WriteFile(filepath.Join(out, format.PagesFile), func(w io.Writer) error {
 		_, err := synth.Mutate(w, bufio.NewReader(src), pages, edits, synth.Random, seed)
 		return err
 	})

@@ -429,7 +429,7 @@ func dedupBench(ctx context.Context, cfg config, scratch string) error {
 // makePair writes the base pages and the mutated copy and returns how many
 // bytes of the copy are unchanged base bytes.
 func makePair(base, second string, kind synth.Kind, size, pages int64, plan []synth.Edit) (int64, error) {
-	if err := writeFile(base, func(w io.Writer) error { return synth.WritePages(w, kind, size, baseSeed) }); err != nil {
+	if err := synth.WriteFile(base, func(w io.Writer) error { return synth.WritePages(w, kind, size, baseSeed) }); err != nil {
 		return 0, err
 	}
 	src, err := os.Open(base)
@@ -438,28 +438,12 @@ func makePair(base, second string, kind synth.Kind, size, pages int64, plan []sy
 	}
 	defer src.Close()
 	var unchanged int64
-	err = writeFile(second, func(w io.Writer) error {
+	err = synth.WriteFile(second, func(w io.Writer) error {
 		var err error
 		unchanged, err = synth.Mutate(w, bufio.NewReaderSize(src, 1<<20), pages, plan, kind, mutateSeed)
 		return err
 	})
 	return unchanged, err
-}
-
-func writeFile(name string, fill func(io.Writer) error) error {
-	f, err := os.Create(name)
-	if err != nil {
-		return err
-	}
-	bw := bufio.NewWriterSize(f, 1<<20)
-	err = fill(bw)
-	if err == nil {
-		err = bw.Flush()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
 }
 
 type chunkSum struct {

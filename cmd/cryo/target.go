@@ -63,7 +63,8 @@ func openSource(ctx context.Context, arg string, ro *remoteOptions) (content.Rea
 	if err != nil {
 		return nil, ocispec.Descriptor{}, fmt.Errorf("resolve %s: %w", arg, err)
 	}
-	return repo, desc, nil
+	// Ranged: format v2 reads frames of packs by bounded range requests.
+	return transfer.Ranged{Repository: repo}, desc, nil
 }
 
 // openLayout opens an existing OCI layout read-only and resolves the ref.

@@ -143,7 +143,7 @@ func ImageDir(dir string, kind Kind, size int64, seed uint64) error {
 	if err := os.WriteFile(filepath.Join(dir, "pages_meta.img"), meta, 0o644); err != nil {
 		return err
 	}
-	return writeFile(filepath.Join(dir, "pages.img"), func(w io.Writer) error { return WritePages(w, kind, size, seed) })
+	return WriteFile(filepath.Join(dir, "pages.img"), func(w io.Writer) error { return WritePages(w, kind, size, seed) })
 }
 
 // StateFile returns a gVisor state file: header with metadata md, then
@@ -156,7 +156,9 @@ func StateFile(md map[string]string, bodySize int, seed uint64) []byte {
 	return append(out, body...)
 }
 
-func writeFile(name string, fill func(io.Writer) error) error {
+// WriteFile creates the file name and fills it through a buffered writer
+// with fill.
+func WriteFile(name string, fill func(io.Writer) error) error {
 	f, err := os.Create(name)
 	if err != nil {
 		return err
