@@ -85,7 +85,7 @@ func newFileReader(src ChunkSource, concurrency int) *fileReader {
 // unpack resumes. fn sees only verified chunks, but sees them before the
 // file digest is checked: a caller that writes them must discard its
 // output if readFile fails.
-func (fr *fileReader) readFile(ctx context.Context, f *File, chunks []Chunk, local io.ReaderAt, fn chunkFunc) error {
+func (fr *fileReader) readFile(ctx context.Context, f *File, chunks []Chunk, local *localFile, fn chunkFunc) error {
 	h := sha256.New()
 	produce := func(ctx context.Context, emit func(Chunk) error) error {
 		for _, c := range chunks {
@@ -139,10 +139,28 @@ type gotChunk struct {
 	local bool
 }
 
+// localFile is the copy of a file an unpack resumes from: r holds it, and
+// inPlace, if set, names the chunks in it that need no verification (their
+// writer verified them; the whole file's sha256 still covers them).
+type localFile struct {
+	r       io.ReaderAt
+	inPlace func(Chunk) bool
+}
+
 // chunk returns chunk c's verified bytes: from local if it holds them, else
 // zeros or the source's. buf has room for c.Size bytes.
-func (fr *fileReader) chunk(ctx context.Context, c Chunk, buf []byte, local io.ReaderAt) (gotChunk, error) {
-	if local != nil && localChunk(local, c, buf) {
+func (fr *fileReader) chunk(ctx context.Context, c Chunk, buf []byte, local *localFile) (gotChunk, error) {
+	if local != nil && local.inPlace != nil && c.Encoding != EncodingZero && local.inPlace(c) {
+		n, err := local.r.ReadAt(buf, c.Offset)
+		if n == len(buf) {
+			return gotChunk{data: buf, local: true}, nil
+		}
+		if err == nil || err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return gotChunk{}, fmt.Errorf("read back chunk %s at %d: %w", c.Digest, c.Offset, err)
+	}
+	if local != nil && localChunk(local.r, c, buf) {
 		return gotChunk{data: buf, local: true}, nil
 	}
 	if c.Encoding == EncodingZero {

@@ -42,6 +42,17 @@ type UnpackOptions struct {
 	// verified and flushed, every other file removed, and every dir
 	// flushed. It must leave dir absent or complete after a crash.
 	Commit func(staging string) error
+	// InPlace, if set, reports that chunk c of file f is already at its
+	// offset in the staging dir's file, written by the caller in this
+	// process from bytes it verified: UnpackFrom reads it back for the
+	// file's sha256 but does not hash it on its own again. Every other
+	// chunk found in a staging file is verified before it is kept. A chunk
+	// InPlace vouches for wrongly still fails the whole file's check.
+	InPlace func(f *File, c Chunk) bool
+	// Verified, if set, reports that file f is complete in the staging
+	// dir and that the caller has checked its sha256 there: UnpackFrom
+	// only gives it its size and mode and flushes it.
+	Verified func(f *File) bool
 }
 
 // UnpackStats counts what Unpack did.
@@ -344,10 +355,19 @@ func (w *writer) writeFile(ctx context.Context, f *File, chunks []Chunk) error {
 	if !info.Mode().IsRegular() {
 		return fmt.Errorf("%s in %s is not a regular file", f.Path, w.root)
 	}
-	var local io.ReaderAt
+	if w.opts.Verified != nil && w.opts.Verified(f) {
+		w.mu.Lock()
+		w.st.ReusedBytes += f.Size
+		w.mu.Unlock()
+		return w.flushFile(fh, f, fmode)
+	}
+	var local *localFile
 	resumed := info.Size() > 0
 	if resumed {
-		local = fh
+		local = &localFile{r: fh}
+		if w.opts.InPlace != nil {
+			local.inPlace = func(c Chunk) bool { return w.opts.InPlace(f, c) }
+		}
 	}
 	err = w.fr.readFile(ctx, f, chunks, local, func(c Chunk, data []byte, fromLocal bool) error {
 		if c.Encoding != EncodingZero {
@@ -377,6 +397,12 @@ func (w *writer) writeFile(ctx context.Context, f *File, chunks []Chunk) error {
 	if err != nil {
 		return err
 	}
+	return w.flushFile(fh, f, fmode)
+}
+
+// flushFile gives file f, open as fh, its size and mode fmode, flushes it
+// and closes it.
+func (w *writer) flushFile(fh *os.File, f *File, fmode fs.FileMode) error {
 	if err := fh.Truncate(f.Size); err != nil {
 		return fmt.Errorf("size %s: %w", f.Path, err)
 	}

@@ -21,7 +21,7 @@ func ExamplePuller_Load() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	snap, err := p.Load(ctx, src, puller.LoadOptions{Materialize: true})
+	snap, err := p.Load(ctx, src)
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -22,11 +22,13 @@ func TestMaterializedDirSurvivesCrash(t *testing.T) {
 	r := startReg(t)
 	src, s := push(t, r, "app", synth.Random, 8<<20, 71)
 	cacheDir := filepath.Join(mnt, "cache")
-	m := mount(t, newPuller(t, Options{CacheDir: cacheDir}), s)
+	p1 := newPuller(t, Options{CacheDir: cacheDir})
+	m := mount(t, p1, s)
 	waitLoaded(t, m)
 	if err := m.Unmount(); err != nil {
 		t.Fatal(err)
 	}
+	p1.Close() // the process ends with the power
 	crash()
 	p := newPuller(t, Options{CacheDir: cacheDir})
 	img, ok := p.Materialized(s.Index.Digest)

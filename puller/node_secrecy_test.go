@@ -11,6 +11,7 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/opencontainers/go-digest"
 )
 
 // asNobody runs cat on path as user nobody (a real other uid, no groups)
@@ -52,8 +53,9 @@ func worldTraversable(t *testing.T, dir string) {
 
 // TestOtherUserCannotReadSnapshot has user nobody (a real other uid, via
 // setpriv) try to read snapshot memory on a node whose dirs are
-// world-traversable: pages.img through the live FUSE mount, the
-// materialized dir in the node cache, a chunk file of the cache, and
+// world-traversable: pages.img through the live FUSE mount, the image dir
+// being assembled and the materialized dir in the node cache, a chunk file
+// of the cache, and
 // pages.img through a mount bind-mounted from the materialized dir. Every
 // read is refused; root reads them all. The modes say so too.
 func TestOtherUserCannotReadSnapshot(t *testing.T) {
@@ -72,11 +74,28 @@ func TestOtherUserCannotReadSnapshot(t *testing.T) {
 	cacheDir := filepath.Join(base, "cache")
 	os.Mkdir(cacheDir, 0o755)
 	p := newPuller(t, Options{CacheDir: cacheDir})
+	// pages.img's background load retries until its blobs are served: the
+	// snapshot is still being assembled below.
+	unserved := map[string]bool{}
+	for _, c := range snapshotChunksOf(t, s, format.PagesFile) {
+		unserved[c.Blob.String()] = true
+	}
+	r.set(func(r *reg) { r.unserved = unserved })
 	m, err := p.Mount(context.Background(), s, filepath.Join(base, "mnt"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Unmount() })
+	// The image dir the chunks are written into as they come.
+	worldTraversable(t, filepath.Join(cacheDir, "images"))
+	assembling, _ := filepath.Glob(filepath.Join(cacheDir, "images", "*.tmp-*", format.PagesFile))
+	if len(assembling) != 1 {
+		t.Fatalf("%d snapshots being assembled in the node cache, want 1", len(assembling))
+	}
+	refused(t, "image dir being assembled", assembling[0])
+	checkMode(t, filepath.Dir(assembling[0]), 0o700)
+	checkMode(t, assembling[0], 0o600)
+	r.set(func(r *reg) { r.unserved = nil })
 	pages := filepath.Join(m.Dir(), format.PagesFile)
 	refused(t, "FUSE mount", pages)
 	refused(t, "FUSE mount, small file", filepath.Join(m.Dir(), "checkpoint.img"))
@@ -94,9 +113,16 @@ func TestOtherUserCannotReadSnapshot(t *testing.T) {
 	refused(t, "materialized dir", filepath.Join(img, format.PagesFile))
 	checkMode(t, img, 0o700)
 	checkMode(t, filepath.Join(img, format.PagesFile), 0o600)
-	chunk := p.Cache().Path(chunksOf(m, format.PagesFile)[0].Digest)
+	// A chunk file (of a chunk no snapshot being assembled holds).
+	data := []byte("a chunk of no snapshot")
+	d := digest.FromBytes(data)
+	if err := p.Cache().Put(d, data); err != nil {
+		t.Fatal(err)
+	}
+	chunk := p.Cache().Path(d)
 	worldTraversable(t, filepath.Dir(chunk))
 	refused(t, "cache chunk", chunk)
+	checkMode(t, chunk, 0o400)
 
 	m2, err := p.Mount(context.Background(), s, filepath.Join(base, "mnt2"))
 	if err != nil {

@@ -78,7 +78,8 @@ type Puller struct {
 	mu      sync.Mutex
 	writing map[digest.Digest]*imageWrite
 	// fetching joins the fetches of one chunk by several mounts.
-	fetching fetch.Flights
+	fetching  fetch.Flights
+	closeOnce sync.Once
 }
 
 // New opens the node cache and returns a Puller.
@@ -106,9 +107,15 @@ func New(opts Options) (*Puller, error) {
 	return &Puller{opts: opts, cache: c, codec: codec}, nil
 }
 
-// Close releases the puller's decoders. Call it once every load and mount
-// of the puller has ended; the node cache stays on disk.
-func (p *Puller) Close() { p.codec.Close() }
+// Close releases the puller's decoders and the node cache's open files.
+// Call it once every load and mount of the puller has ended; the node
+// cache stays on disk. Calls after the first do nothing.
+func (p *Puller) Close() {
+	p.closeOnce.Do(func() {
+		p.codec.Close()
+		p.cache.Close()
+	})
+}
 
 // Cache returns the node cache.
 func (p *Puller) Cache() *cache.Store { return p.cache }
@@ -175,24 +182,17 @@ type Progress struct {
 	FetchedChunks int     `json:"fetchedChunks"`
 }
 
-// LoadOptions tune Load.
-type LoadOptions struct {
-	// Materialize also writes the snapshot's materialized image dir once
-	// every chunk is local, as a mount does, so that a later Mount of it
-	// bind-mounts that dir and needs no FUSE.
-	Materialize bool
-}
-
 // Load makes the snapshot local on this node without presenting it (no
 // mount, no FUSE): it pins the snapshot's chunks in the node cache, fetches
 // every chunk the cache lacks (verified, in the order of src.Prefetch, then
-// by offset), with opts.Materialize writes its materialized image dir, and
-// releases the pins, leaving the chunks in the cache for later mounts until
-// they are evicted. A snapshot whose materialized dir the cache holds is
-// local already: Load fetches nothing. Load is what a mount does in the
-// background; a node agent calls it to preload a snapshot before any
+// by offset) straight into the snapshot's image dir being assembled, commits
+// that as its materialized dir, and releases the pins, so that a later
+// Mount bind-mounts the dir and needs no FUSE, and other snapshots find its
+// chunks, until it is evicted. A snapshot whose materialized dir the cache
+// holds is local already: Load fetches nothing. Load is what a mount does
+// in the background; a node agent calls it to preload a snapshot before any
 // sandbox needs it. It returns the snapshot.
-func (p *Puller) Load(ctx context.Context, src Source, opts LoadOptions) (*format.Snapshot, error) {
+func (p *Puller) Load(ctx context.Context, src Source) (*format.Snapshot, error) {
 	l, err := p.newLoad(ctx, src, time.Now())
 	if err != nil {
 		return nil, err
@@ -211,7 +211,7 @@ func (p *Puller) Load(ctx context.Context, src Source, opts LoadOptions) (*forma
 	for i := range all {
 		all[i] = i
 	}
-	if err := l.run(ctx, all, opts.Materialize, closed); err != nil {
+	if err := l.run(ctx, all, closed); err != nil {
 		return nil, err
 	}
 	return l.snap, nil
@@ -234,6 +234,9 @@ type load struct {
 	chunks [][]format.Chunk
 	sched  *fetch.Scheduler
 	pinned []digest.Digest
+	// asm is the snapshot's image dir the chunks are written into as they
+	// come (cache.Assemble), committed as its materialized dir at the end.
+	asm *cache.Assembly
 
 	mu      sync.Mutex
 	localAt time.Duration
@@ -268,26 +271,24 @@ func (l *load) prepare(ctx context.Context) error {
 		}
 	}
 	l.p.cache.Pin(l.pinned)
+	if l.asm, err = l.p.cache.Assemble(l.snap, chunks); err != nil {
+		return err
+	}
 	o := l.p.opts
 	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})
 	return nil
 }
 
 // run fetches every chunk of the given files (indexes into the snapshot's
-// files) into the node cache and, if materialize, then writes the
-// materialized image dir.
-// With materialize, it waits for materializeAfter to be closed (or ctx to
-// end) first.
-func (l *load) run(ctx context.Context, files []int, materialize bool, materializeAfter <-chan struct{}) error {
+// files) into the node cache, then, once materializeAfter is closed (or
+// ctx ends), commits the materialized image dir.
+func (l *load) run(ctx context.Context, files []int, materializeAfter <-chan struct{}) error {
 	if err := l.fetchAll(ctx, files); err != nil {
 		return err
 	}
 	l.mu.Lock()
 	l.localAt = time.Since(l.start)
 	l.mu.Unlock()
-	if !materialize {
-		return nil
-	}
 	select {
 	case <-materializeAfter:
 	case <-ctx.Done():
@@ -309,6 +310,11 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 				pending = append(pending, ps[0])
 				continue
 			}
+		}
+		if c.Encoding != format.EncodingZero {
+			// Held in another image dir: copied into this one now, so
+			// that the commit finds every file complete in place.
+			l.p.cache.Localize(c.Digest)
 		}
 		l.local.Add(c.Size)
 	}
@@ -431,6 +437,7 @@ func (l *load) stop() {
 
 // release releases the load's pins, once nothing of it runs any more.
 func (l *load) release() {
+	l.asm.Release()
 	l.p.cache.Unpin(l.pinned)
 	l.p.cache.UnpinImage(l.src.Index.Digest)
 }
@@ -704,7 +711,7 @@ func (m *Mount) loadAll(ctx context.Context, files []int) error {
 	// Materializing reads and writes the whole snapshot once more: while a
 	// sandbox still loads its pages from this mount, it would take the
 	// disk and the CPU from it (FilesOptions.MaterializeAfter).
-	err := m.l.run(ctx, files, true, m.materializeAfter)
+	err := m.l.run(ctx, files, m.materializeAfter)
 	m.finish(err)
 	return err
 }

@@ -422,8 +422,9 @@ func runOne(ctx context.Context, cfg config, scenario string, replicas int, path
 }
 
 // cryoPuller loads a snapshot into its own node cache with puller.Load, as
-// the node puller's background load does (without materializing it), and
-// returns the snapshot's logical bytes.
+// the node puller's background load does (its chunks written in place into
+// the snapshot's materialized dir), and returns the snapshot's logical
+// bytes.
 func cryoPuller(ctx context.Context, ref, cacheDir string, capBytes int64, st *stats) (int64, error) {
 	repo, tag, err := transfer.Repository(ref, transfer.ClientOptions{})
 	if err != nil {
@@ -439,7 +440,7 @@ func cryoPuller(ctx context.Context, ref, cacheDir string, capBytes int64, st *s
 	}
 	defer p.Close()
 	src := puller.Source{Index: desc, Endpoints: []fetch.Endpoint{{Name: "registry", Store: timedFetcher{Fetcher: repo, st: st}}}}
-	snap, err := p.Load(ctx, src, puller.LoadOptions{})
+	snap, err := p.Load(ctx, src)
 	if err != nil {
 		return 0, err
 	}

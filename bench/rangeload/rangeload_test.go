@@ -88,7 +88,7 @@ func BenchmarkRangeLoad(b *testing.B) {
 				b.Fatal(err)
 			}
 			g0, n0, t0 := c.gets.Load(), c.bytes.Load(), time.Now()
-			snap, err := p.Load(context.Background(), src, puller.LoadOptions{})
+			snap, err := p.Load(context.Background(), src)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -50,12 +50,24 @@ type Store struct {
 	// verifyBufs holds buffers for verifying chunks read in part.
 	verifyBufs sync.Pool
 
+	// asmMu orders the creation, release and commit of assemblies.
+	asmMu sync.Mutex
+
 	mu        sync.Mutex
 	entries   map[key]*entry
 	total     int64
 	pins      map[key]int
 	evictions int64
 	clock     func() time.Time
+	// assembling holds the live assemblies by snapshot, wanted the chunks
+	// they still want, placing the chunks being written into them.
+	assembling map[digest.Digest]*Assembly
+	wanted     map[digest.Digest][]slot
+	placing    map[digest.Digest]chan struct{}
+	// placed finds chunks in image dirs (assemblies and materialized
+	// dirs), images the materialized dirs holding chunks, by snapshot.
+	placed map[digest.Digest][]*place
+	images map[digest.Digest]*image
 }
 
 // key names a chunk (by the digest of its bytes) or an image dir (by the
@@ -155,13 +167,14 @@ func (s *Store) Path(d digest.Digest) string {
 	return filepath.Join(s.root, "chunks", "sha256", hx[:2], hx)
 }
 
-// Has reports whether the cache holds chunk d (not whether it is intact:
-// a chunk not yet used by this process is verified when it is read).
+// Has reports whether the cache holds chunk d, in a chunk file or in an
+// image dir (not whether it is intact: a chunk not yet used by this
+// process is verified when it is read).
 func (s *Store) Has(d digest.Digest) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	_, ok := s.entries[chunkKey(d)]
-	return ok
+	return ok || len(s.placed[d]) > 0
 }
 
 // Get reads chunk d into buf (grown as needed) and marks it used. A chunk
@@ -170,6 +183,20 @@ func (s *Store) Has(d digest.Digest) bool {
 // returns ErrNotFound, so the caller fetches it again.
 func (s *Store) Get(d digest.Digest, buf []byte, verify bool) ([]byte, error) {
 	f, e, err := s.open(d)
+	if errors.Is(err, ErrNotFound) {
+		for {
+			p, pf, err := s.usePlace(d)
+			if err != nil {
+				return nil, err
+			}
+			data, err := s.readPlace(d, p, pf, buf, verify)
+			s.endUse(p)
+			if !errors.Is(err, ErrNotFound) {
+				return data, err
+			}
+			// Damaged there: another image dir may hold it.
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -201,6 +228,9 @@ func (s *Store) Get(d digest.Digest, buf []byte, verify bool) ([]byte, error) {
 // describe this chunk.
 func (s *Store) ReadAt(d digest.Digest, p []byte, off int64) (int, error) {
 	f, e, err := s.open(d)
+	if errors.Is(err, ErrNotFound) {
+		return s.readAtPlace(d, p, off)
+	}
 	if err != nil {
 		return 0, err
 	}
@@ -214,6 +244,52 @@ func (s *Store) ReadAt(d digest.Digest, p []byte, off int64) (int, error) {
 		return 0, fmt.Errorf("read cached chunk %s at %d+%d: past its %d bytes", d, off, len(p), e.size)
 	}
 	n, err := f.ReadAt(p, off)
+	if err != nil {
+		return n, fmt.Errorf("read cached chunk %s at %d: %w", d, off, err)
+	}
+	return n, nil
+}
+
+// readAtPlace is ReadAt of a chunk in an image dir.
+func (s *Store) readAtPlace(d digest.Digest, p []byte, off int64) (int, error) {
+	for {
+		pl, f, err := s.usePlace(d)
+		if err != nil {
+			return 0, err
+		}
+		n, err := s.readAtPlaceOnce(d, pl, f, p, off)
+		s.endUse(pl)
+		if !errors.Is(err, ErrNotFound) {
+			return n, err
+		}
+	}
+}
+
+func (s *Store) readAtPlaceOnce(d digest.Digest, pl *place, f *os.File, p []byte, off int64) (int, error) {
+	s.mu.Lock()
+	verified := pl.verified
+	s.mu.Unlock()
+	if !verified {
+		_, err, _ := s.verifying.Do("place:"+d.String(), func() (any, error) {
+			bp, _ := s.verifyBufs.Get().(*[]byte)
+			if bp == nil {
+				bp = new([]byte)
+			}
+			defer s.verifyBufs.Put(bp)
+			b, err := s.readPlace(d, pl, f, *bp, false)
+			if cap(b) > cap(*bp) {
+				*bp = b
+			}
+			return nil, err
+		})
+		if err != nil {
+			return 0, err
+		}
+	}
+	if off < 0 || off+int64(len(p)) > pl.size {
+		return 0, fmt.Errorf("read cached chunk %s at %d+%d: past its %d bytes", d, off, len(p), pl.size)
+	}
+	n, err := f.ReadAt(p, pl.off+off)
 	if err != nil {
 		return n, fmt.Errorf("read cached chunk %s at %d: %w", d, off, err)
 	}
@@ -314,8 +390,16 @@ func (s *Store) Put(d digest.Digest, data []byte) error {
 }
 
 // PutVerified stores data as chunk d; the caller has just verified that
-// data hashes to d (the fetcher does, before anything is served).
+// data hashes to d (the fetcher does, before anything is served). A chunk
+// that snapshots being assembled hold (Assemble) is written into their
+// files, at its offsets, and nowhere else; any other is stored as a chunk
+// file of its own, flushed before it is linked under its digest.
 func (s *Store) PutVerified(d digest.Digest, data []byte) error {
+	placed, err := s.place(d, data)
+	if placed || err != nil {
+		s.evict()
+		return err
+	}
 	if s.Has(d) {
 		return nil
 	}
@@ -381,6 +465,11 @@ func (s *Store) Stats() Stats {
 			st.Chunks++
 		}
 	}
+	for d := range s.placed {
+		if _, ok := s.entries[chunkKey(d)]; !ok {
+			st.Chunks++
+		}
+	}
 	return st
 }
 
@@ -392,6 +481,26 @@ func (s *Store) forget(k key, e *entry) {
 		s.total -= e.size
 		delete(s.entries, k)
 	}
+}
+
+// holdsPinnedLocked reports whether materialized dir d holds the only
+// copy of a chunk a live mount pinned: it is kept until that mount has
+// its own.
+func (s *Store) holdsPinnedLocked(d digest.Digest) bool {
+	img := s.images[d]
+	if img == nil {
+		return false
+	}
+	for _, cd := range img.digests {
+		if s.pins[chunkKey(cd)] == 0 {
+			continue
+		}
+		if _, ok := s.entries[chunkKey(cd)]; ok || len(s.placed[cd]) > 1 {
+			continue
+		}
+		return true
+	}
+	return false
 }
 
 // evict removes least recently used unpinned chunks and image dirs until
@@ -408,7 +517,7 @@ func (s *Store) evict() {
 	}
 	var cands []cand
 	for k, e := range s.entries {
-		if s.pins[k] == 0 {
+		if s.pins[k] == 0 && !(k.image && s.holdsPinnedLocked(k.d)) {
 			cands = append(cands, cand{k, e})
 		}
 	}
@@ -423,6 +532,9 @@ func (s *Store) evict() {
 		delete(s.entries, c.k)
 		victims = append(victims, c.k)
 		s.evictions++
+		if img := s.images[c.k.d]; c.k.image && img != nil {
+			s.removeImageLocked(img)
+		}
 	}
 	// Image dirs leave their name under the lock: a mount pinning one
 	// right after must not find it half removed.

@@ -1,7 +1,6 @@
 package cache
 
 import (
-	"context"
 	"fmt"
 	"io/fs"
 	"os"
@@ -10,7 +9,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
 )
@@ -67,33 +65,6 @@ func (s *Store) UnpinImage(d digest.Digest) {
 	s.evict()
 }
 
-// WriteImage materializes snapshot snap, whose files' chunks are chunks
-// (format.LoadChunks), as its image dir, reading every chunk from src,
-// unless the cache holds that dir complete already. It is the writer of
-// format.UnpackFrom: every chunk and every whole file verified, zero
-// chunks left as holes, every file flushed; here into a NewImageDir, files
-// 0600 and dirs 0700 whatever modes the snapshot records, committed by
-// CommitImage with its completion marker.
-func (s *Store) WriteImage(ctx context.Context, snap *format.Snapshot, chunks [][]format.Chunk, src format.ChunkSource) error {
-	d := snap.Descriptor.Digest
-	if _, ok := s.Image(d); ok {
-		return nil
-	}
-	// Unique per writer: a dir named after the process would be shared by
-	// two mounts of the snapshot in one daemon.
-	tmp, err := s.NewImageDir(d)
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(tmp) // gone once committed
-	_, err = format.UnpackFrom(ctx, snap, chunks, src, s.ImagePath(d), format.UnpackOptions{
-		Private: true,
-		Staging: tmp,
-		Commit:  func(staging string) error { return s.CommitImage(d, staging) },
-	})
-	return err
-}
-
 // NewImageDir creates an empty temporary dir (0700) to write snapshot d's
 // image dir in, before CommitImage. The caller removes it if it does not
 // commit it; a crash leaves it for the next Open to remove.
@@ -114,12 +85,20 @@ func (s *Store) NewImageDir(d digest.Digest) (string, error) {
 // images dir, then counts the dir against the cap. If another writer
 // committed d first, tmp is removed and CommitImage succeeds.
 func (s *Store) CommitImage(d digest.Digest, tmp string) error {
+	_, err := s.commitImage(d, tmp)
+	s.evict()
+	return err
+}
+
+// commitImage is CommitImage but for the eviction, which is the caller's;
+// ours is false if another writer's dir was kept.
+func (s *Store) commitImage(d digest.Digest, tmp string) (ours bool, err error) {
 	size, err := syncTree(tmp)
 	if err != nil {
-		return fmt.Errorf("materialize %s: %w", d, err)
+		return false, fmt.Errorf("materialize %s: %w", d, err)
 	}
 	if err := atomicfile.Write(tmp, filepath.Join(tmp, ImageMarker), []byte(d.String()+"\n"), 0o400); err != nil {
-		return fmt.Errorf("materialize %s: completion marker: %w", d, err)
+		return false, fmt.Errorf("materialize %s: completion marker: %w", d, err)
 	}
 	final := s.ImagePath(d)
 	if err := os.Rename(tmp, final); err != nil {
@@ -127,27 +106,25 @@ func (s *Store) CommitImage(d digest.Digest, tmp string) error {
 			// Committed by another writer: keep theirs.
 			os.RemoveAll(tmp)
 			if size, err = treeSize(final); err != nil {
-				return fmt.Errorf("materialize %s: %w", d, err)
+				return false, fmt.Errorf("materialize %s: %w", d, err)
 			}
 			s.add(imageKey(d), size)
-			s.evict()
-			return nil
+			return false, nil
 		}
 		// A dir without its marker: a crash's leftover; take its place.
 		if rerr := os.Rename(final, final+".tmp-stale"); rerr != nil {
-			return fmt.Errorf("materialize %s: %w", d, err)
+			return false, fmt.Errorf("materialize %s: %w", d, err)
 		}
 		os.RemoveAll(final + ".tmp-stale")
 		if err := os.Rename(tmp, final); err != nil {
-			return fmt.Errorf("materialize %s: %w", d, err)
+			return false, fmt.Errorf("materialize %s: %w", d, err)
 		}
 	}
 	if err := atomicfile.SyncDir(s.imagesDir()); err != nil {
-		return fmt.Errorf("materialize %s: %w", d, err)
+		return false, fmt.Errorf("materialize %s: %w", d, err)
 	}
 	s.add(imageKey(d), size)
-	s.evict()
-	return nil
+	return true, nil
 }
 
 // syncTree flushes every dir under root (files are the writer's to flush)
@@ -213,8 +190,10 @@ func (s *Store) indexImages() error {
 		if err != nil {
 			return err
 		}
-		s.entries[imageKey(digest.NewDigestFromEncoded(digest.SHA256, hx))] = &entry{size: size, lastUse: marker.ModTime(), verified: true}
+		d := digest.NewDigestFromEncoded(digest.SHA256, hx)
+		s.entries[imageKey(d)] = &entry{size: size, lastUse: marker.ModTime(), verified: true}
 		s.total += size
+		s.indexImageChunks(d, p)
 	}
 	return nil
 }

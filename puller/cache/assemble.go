@@ -1,0 +1,771 @@
+package cache
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"hash"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/atomicfile"
+	"github.com/opencontainers/go-digest"
+	"golang.org/x/sys/unix"
+)
+
+// The node store writes each byte of a snapshot once. A snapshot being
+// loaded is assembled in place (Assemble): its image dir is created at
+// once as images/<hex>.tmp-*, every file at its full size (sparse), and a
+// verified chunk handed to the store (PutVerified) is written straight to
+// its offsets in every file being assembled that holds it, instead of into
+// a chunk file of its own. Reads of a chunk by digest (Get, ReadAt) find
+// it there, in the assembly of any snapshot, and in materialized image
+// dirs, through their chunk lists (ChunkList). When every chunk is in
+// place, WriteImage flushes and verifies the files and commits the dir:
+// the assembly becomes the snapshot's materialized dir with no second
+// copy. Chunks not written in place (the store had them already, in
+// another image dir, or their write failed) are copied or fetched then.
+//
+// Crash safety is the image dir's: an assembly is a temporary dir until it
+// is committed, and a crash leaves it for Open to remove; its chunks are
+// readable only by the process that wrote them, from bytes it verified.
+
+// image is an image dir holding chunks that reads by digest can use: an
+// assembly's temporary dir, or a materialized dir (committed, or found at
+// Open with a chunk list).
+type image struct {
+	d     digest.Digest
+	dir   string
+	paths []string
+	// fds are the image's files, by index: open for writing while it is
+	// assembled, opened for reading when first needed once committed.
+	fds []*os.File
+	// digests are the chunks placed in it (for removal).
+	digests []digest.Digest
+	// dirty counts, by file, the bytes written since the last writeback
+	// started (startWriteback).
+	dirty []atomic.Int64
+	// users counts reads and writes using fds; once gone (evicted, found
+	// damaged or discarded) the last user closes them. Under Store.mu.
+	users int
+	gone  bool
+}
+
+// place is a chunk at an offset of a file of an image.
+type place struct {
+	img  *image
+	file int
+	off  int64
+	size int64
+	// verified: written by this process from verified bytes, or hashed
+	// since the store was opened. Under Store.mu.
+	verified bool
+}
+
+// writebackEvery is how many bytes written into one file of an assembly
+// start their writing to disk (sync_file_range), so that the flush at the
+// commit finds little left to do; it alone makes the file durable.
+const writebackEvery = 16 << 20
+
+// startWriteback counts n bytes written into file i and, every
+// writebackEvery bytes, starts writing the file's dirty pages to disk
+// without waiting for them.
+func (img *image) startWriteback(i int, n int64) {
+	if img.dirty[i].Add(n) < writebackEvery {
+		return
+	}
+	img.dirty[i].Store(0)
+	_ = unix.SyncFileRange(int(img.fds[i].Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
+}
+
+// file returns the image's file i, opening it for reading if needed.
+// Called with s.mu held.
+func (img *image) file(i int) (*os.File, error) {
+	if img.fds[i] != nil {
+		return img.fds[i], nil
+	}
+	f, err := os.OpenFile(filepath.Join(img.dir, filepath.FromSlash(img.paths[i])), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, err
+	}
+	img.fds[i] = f
+	return f, nil
+}
+
+// closeFiles closes the image's files. Called with s.mu held, once gone
+// and unused.
+func (img *image) closeFiles() {
+	for i, f := range img.fds {
+		if f != nil {
+			f.Close()
+			img.fds[i] = nil
+		}
+	}
+}
+
+// release ends one use of img's files. Called with s.mu held.
+func (img *image) release() {
+	img.users--
+	if img.gone && img.users == 0 {
+		img.closeFiles()
+	}
+}
+
+// Assembly is a snapshot's image dir being written in place by its loads:
+// see Assemble. Every load of the snapshot shares one.
+type Assembly struct {
+	s      *Store
+	img    *image
+	chunks [][]format.Chunk
+	// Under s.mu: refs counts Assemble calls not yet released; filled
+	// marks the chunks written in place from verified bytes, by file and
+	// chunk index; bytes is what was written (counted in the store's
+	// total); done is set once committed or discarded.
+	refs   int
+	filled [][]bool
+	bytes  int64
+	done   bool
+	// digests are the files' sha256s (from the snapshot); hashes hash
+	// each file in order as its chunks land, so that the commit need not
+	// read the files back.
+	digests []digest.Digest
+	hashes  []fileHash
+}
+
+// fileHash is the sha256 of a file being assembled, over its first next
+// chunks.
+type fileHash struct {
+	mu   sync.Mutex
+	h    hash.Hash
+	next int
+}
+
+// slot is a chunk an assembly still wants: file and chunk index.
+type slot struct {
+	a           *Assembly
+	file, chunk int
+}
+
+// Assemble starts, or joins, assembling snapshot snap (whose files' chunks
+// are chunks, from format.LoadChunks) in place: from now on every verified
+// chunk of it handed to PutVerified is written into its files, and
+// WriteImage commits them as its materialized dir. Call Release when the
+// load ends; the last release of an assembly not committed removes it.
+// If the store holds the snapshot's image dir already, the assembly is
+// empty and WriteImage has nothing to do.
+func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assembly, error) {
+	d := snap.Descriptor.Digest
+	if len(chunks) != len(snap.Files) {
+		return nil, fmt.Errorf("assemble %s: chunks of %d files for %d files", d, len(chunks), len(snap.Files))
+	}
+	s.asmMu.Lock()
+	defer s.asmMu.Unlock()
+	s.mu.Lock()
+	if a := s.assembling[d]; a != nil {
+		a.refs++
+		s.mu.Unlock()
+		return a, nil
+	}
+	s.mu.Unlock()
+	if _, ok := s.Image(d); ok {
+		return &Assembly{s: s, done: true}, nil
+	}
+	tmp, err := s.NewImageDir(d)
+	if err != nil {
+		return nil, err
+	}
+	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files)), dirty: make([]atomic.Int64, len(snap.Files))}
+	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), hashes: make([]fileHash, len(chunks))}
+	for i, f := range snap.Files {
+		img.paths = append(img.paths, f.Path)
+		a.digests = append(a.digests, f.Digest)
+		a.hashes[i].h = sha256.New()
+		fd, err := createSized(tmp, f.Path, f.Size)
+		if err != nil {
+			img.closeFiles()
+			os.RemoveAll(tmp)
+			return nil, fmt.Errorf("assemble %s: %w", d, err)
+		}
+		img.fds[i] = fd
+		a.filled[i] = make([]bool, len(chunks[i]))
+	}
+	s.mu.Lock()
+	if s.assembling == nil {
+		s.assembling = map[digest.Digest]*Assembly{}
+		s.wanted = map[digest.Digest][]slot{}
+	}
+	s.assembling[d] = a
+	for fi, fc := range chunks {
+		for ci, c := range fc {
+			if c.Encoding != format.EncodingZero {
+				s.wanted[c.Digest] = append(s.wanted[c.Digest], slot{a: a, file: fi, chunk: ci})
+			}
+		}
+	}
+	s.mu.Unlock()
+	return a, nil
+}
+
+// createSized creates file rel (slash-separated, validated by
+// format.ParseIndex) under root, 0600, its parents 0700, at size bytes: a
+// sparse file that chunks are written into.
+func createSized(root, rel string, size int64) (*os.File, error) {
+	name := filepath.Join(root, filepath.FromSlash(rel))
+	if err := os.MkdirAll(filepath.Dir(name), 0o700); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := f.Truncate(size); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// Release ends one Assemble. The last release of an assembly that was not
+// committed discards it: its dir and the chunks in it.
+func (a *Assembly) Release() {
+	if a == nil || a.img == nil {
+		return
+	}
+	s := a.s
+	s.asmMu.Lock()
+	defer s.asmMu.Unlock()
+	s.mu.Lock()
+	a.refs--
+	if a.refs > 0 || a.done {
+		s.mu.Unlock()
+		return
+	}
+	a.done = true
+	delete(s.assembling, a.img.d)
+	s.unwantLocked(a)
+	s.removeImageLocked(a.img)
+	s.total -= a.bytes
+	dir := a.img.dir
+	s.mu.Unlock()
+	os.RemoveAll(dir)
+}
+
+// unwantLocked removes a's slots from the store's wanted chunks.
+func (s *Store) unwantLocked(a *Assembly) {
+	for _, fc := range a.chunks {
+		for _, c := range fc {
+			ss := s.wanted[c.Digest]
+			if len(ss) == 0 {
+				continue
+			}
+			kept := ss[:0]
+			for _, sl := range ss {
+				if sl.a != a {
+					kept = append(kept, sl)
+				}
+			}
+			if len(kept) == 0 {
+				delete(s.wanted, c.Digest)
+			} else {
+				s.wanted[c.Digest] = kept
+			}
+		}
+	}
+}
+
+// removeImageLocked makes img's chunks unreachable by digest and marks it
+// gone: its files close when their last user is done.
+func (s *Store) removeImageLocked(img *image) {
+	if img.gone {
+		return
+	}
+	img.gone = true
+	for _, d := range img.digests {
+		ps := s.placed[d]
+		kept := ps[:0]
+		for _, p := range ps {
+			if p.img != img {
+				kept = append(kept, p)
+			}
+		}
+		if len(kept) == 0 {
+			delete(s.placed, d)
+		} else {
+			s.placed[d] = kept
+		}
+	}
+	if s.images[img.d] == img {
+		delete(s.images, img.d)
+	}
+	if img.users == 0 {
+		img.closeFiles()
+	}
+}
+
+// addPlaceLocked makes chunk d at file fi, offset off of img readable by
+// digest (once per image).
+func (s *Store) addPlaceLocked(img *image, d digest.Digest, fi int, off, size int64, verified bool) {
+	for _, p := range s.placed[d] {
+		if p.img == img {
+			return
+		}
+	}
+	if s.placed == nil {
+		s.placed = map[digest.Digest][]*place{}
+	}
+	s.placed[d] = append(s.placed[d], &place{img: img, file: fi, off: off, size: size, verified: verified})
+	img.digests = append(img.digests, d)
+}
+
+// place writes verified chunk d into every assembly that wants it and
+// reports whether one did. Writers of one chunk take turns, so that a
+// second write of it finds the first done.
+func (s *Store) place(d digest.Digest, data []byte) (bool, error) {
+	s.mu.Lock()
+	for s.placing[d] != nil {
+		ch := s.placing[d]
+		s.mu.Unlock()
+		<-ch
+		s.mu.Lock()
+	}
+	slots := s.wanted[d]
+	if len(slots) == 0 {
+		s.mu.Unlock()
+		return false, nil
+	}
+	delete(s.wanted, d)
+	ch := make(chan struct{})
+	if s.placing == nil {
+		s.placing = map[digest.Digest]chan struct{}{}
+	}
+	s.placing[d] = ch
+	for _, sl := range slots {
+		sl.a.img.users++
+	}
+	s.mu.Unlock()
+
+	errs := make([]error, len(slots))
+	for i, sl := range slots {
+		c := sl.a.chunks[sl.file][sl.chunk]
+		if int64(len(data)) != c.Size {
+			errs[i] = fmt.Errorf("chunk %s: %d bytes, the table of %s says %d", d, len(data), sl.a.img.d, c.Size)
+			continue
+		}
+		f := sl.a.img.fds[sl.file]
+		if _, err := f.WriteAt(data, c.Offset); err != nil {
+			errs[i] = fmt.Errorf("write chunk %s into %s: %w", d, sl.a.img.paths[sl.file], err)
+			continue
+		}
+		sl.a.img.startWriteback(sl.file, c.Size)
+	}
+
+	s.mu.Lock()
+	var failed []slot
+	var err error
+	for i, sl := range slots {
+		a := sl.a
+		a.img.release()
+		switch {
+		case a.done:
+		case errs[i] != nil:
+			// Left to WriteImage, or to the next fetch of the chunk.
+			failed = append(failed, sl)
+			err = errs[i]
+		default:
+			c := a.chunks[sl.file][sl.chunk]
+			a.filled[sl.file][sl.chunk] = true
+			a.bytes += c.Size
+			s.total += c.Size
+			s.addPlaceLocked(a.img, d, sl.file, c.Offset, c.Size, true)
+		}
+	}
+	if len(failed) > 0 {
+		s.wanted[d] = append(s.wanted[d], failed...)
+	}
+	delete(s.placing, d)
+	close(ch)
+	s.mu.Unlock()
+	for i, sl := range slots {
+		if errs[i] == nil {
+			sl.a.advance(sl.file, sl.chunk, data, false)
+		}
+	}
+	if len(failed) == len(slots) {
+		return false, err
+	}
+	return true, nil
+}
+
+// zeros is what zero chunks hash as, a piece at a time.
+var zeros = make([]byte, 1<<20)
+
+// advance hashes file fi's chunks in order as far as they are in place:
+// chunk ci's bytes are data (just written), others filled earlier are
+// read back. Unless wait, it leaves the work to a caller already at it,
+// who goes on for it. It returns whether the whole file is hashed.
+func (a *Assembly) advance(fi, ci int, data []byte, wait bool) bool {
+	fh := &a.hashes[fi]
+	for {
+		if wait {
+			fh.mu.Lock()
+		} else if !fh.mu.TryLock() {
+			return false
+		}
+		stop, ok := a.advanceLocked(fh, fi, ci, data)
+		fh.mu.Unlock()
+		// A writer that found this one at work may have filled chunk stop
+		// meanwhile, leaving it to this one.
+		if stop < 0 || !ok || wait || !a.isFilled(fi, stop) {
+			return stop < 0
+		}
+	}
+}
+
+// advanceLocked is advance with fh.mu held: it returns the chunk it
+// stopped at (-1: the whole file is hashed), and false if it stopped on a
+// chunk that could not be read back.
+func (a *Assembly) advanceLocked(fh *fileHash, fi, ci int, data []byte) (stop int, ok bool) {
+	fc := a.chunks[fi]
+	for ; fh.next < len(fc); fh.next++ {
+		c := fc[fh.next]
+		switch {
+		case c.Encoding == format.EncodingZero:
+			for n := c.Size; n > 0; n -= int64(len(zeros)) {
+				fh.h.Write(zeros[:min(n, int64(len(zeros)))])
+			}
+		case fh.next == ci:
+			fh.h.Write(data)
+		case a.isFilled(fi, fh.next):
+			if !a.hashBack(fh, c, fi) {
+				return fh.next, false
+			}
+		default:
+			return fh.next, true
+		}
+	}
+	return -1, true
+}
+
+// hashBack hashes chunk c of file fi, read back from the file it was
+// written into.
+func (a *Assembly) hashBack(fh *fileHash, c format.Chunk, fi int) bool {
+	s := a.s
+	s.mu.Lock()
+	if a.done {
+		s.mu.Unlock()
+		return false
+	}
+	a.img.users++
+	f := a.img.fds[fi]
+	s.mu.Unlock()
+	defer s.endImageUse(a.img)
+	bp, _ := s.verifyBufs.Get().(*[]byte)
+	if bp == nil {
+		bp = new([]byte)
+	}
+	defer s.verifyBufs.Put(bp)
+	if int64(cap(*bp)) < c.Size {
+		*bp = make([]byte, c.Size)
+	}
+	buf := (*bp)[:c.Size]
+	if n, _ := f.ReadAt(buf, c.Offset); n != len(buf) {
+		return false
+	}
+	fh.h.Write(buf)
+	return true
+}
+
+func (a *Assembly) isFilled(fi, ci int) bool {
+	a.s.mu.Lock()
+	defer a.s.mu.Unlock()
+	return a.filled[fi][ci]
+}
+
+func (s *Store) endImageUse(img *image) {
+	s.mu.Lock()
+	img.release()
+	s.mu.Unlock()
+}
+
+// verifiedWhole reports whether file f of the assembly is complete in
+// place and hashes to its digest (for format.UnpackOptions.Verified).
+func (a *Assembly) verifiedWhole(f *format.File) bool {
+	fi := a.fileIndex(f)
+	if fi < 0 || a.digests[fi] != f.Digest || !a.advance(fi, -1, nil, true) {
+		return false
+	}
+	fh := &a.hashes[fi]
+	fh.mu.Lock()
+	defer fh.mu.Unlock()
+	return digest.NewDigestFromBytes(digest.SHA256, fh.h.Sum(nil)) == f.Digest
+}
+
+// fileIndex returns the index of file f in the assembly, or -1.
+func (a *Assembly) fileIndex(f *format.File) int {
+	for i, p := range a.img.paths {
+		if p == f.Path {
+			return i
+		}
+	}
+	return -1
+}
+
+// Localize writes chunk d, which the store holds in another image dir or
+// a chunk file, into the assemblies that want it (verified on first use,
+// as every read of it is), and reports whether it did. A load calls it
+// for the chunks it need not fetch, so that its files are complete in
+// place when it commits.
+func (s *Store) Localize(d digest.Digest) bool {
+	s.mu.Lock()
+	want := len(s.wanted[d]) > 0
+	s.mu.Unlock()
+	if !want {
+		return false
+	}
+	data, err := s.Get(d, nil, false)
+	if err != nil {
+		return false
+	}
+	placed, _ := s.place(d, data)
+	return placed
+}
+
+// inPlace reports whether chunk c of file f was written in place by this
+// process (for format.UnpackOptions.InPlace).
+func (a *Assembly) inPlace(f *format.File, c format.Chunk) bool {
+	fi := a.fileIndex(f)
+	if fi < 0 {
+		return false
+	}
+	fc := a.chunks[fi]
+	ci := sort.Search(len(fc), func(i int) bool { return fc[i].Offset >= c.Offset })
+	if ci == len(fc) || fc[ci].Offset != c.Offset || fc[ci].Digest != c.Digest {
+		return false
+	}
+	a.s.mu.Lock()
+	defer a.s.mu.Unlock()
+	return a.filled[fi][ci]
+}
+
+// assembly returns snapshot d's live assembly, with a reference the caller
+// releases, or nil.
+func (s *Store) assembly(d digest.Digest) *Assembly {
+	s.asmMu.Lock()
+	defer s.asmMu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	a := s.assembling[d]
+	if a == nil || a.done {
+		return nil
+	}
+	a.refs++
+	return a
+}
+
+// commit writes the chunk list into the assembly's dir and commits it as
+// snapshot d's materialized dir (CommitImage); its chunks stay readable
+// by digest there.
+func (s *Store) commitAssembly(a *Assembly) error {
+	d := a.img.d
+	ps := chunkPlacements(a.chunks)
+	if err := atomicfile.Write(a.img.dir, filepath.Join(a.img.dir, ChunkList), encodeChunkList(a.img.paths, ps), 0o400); err != nil {
+		return fmt.Errorf("materialize %s: chunk list: %w", d, err)
+	}
+	ours, err := s.commitImage(d, a.img.dir)
+	// Evicted once its chunks are known: it may hold pinned ones.
+	defer s.evict()
+	if err != nil {
+		return err
+	}
+	s.asmMu.Lock()
+	defer s.asmMu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	a.done = true
+	delete(s.assembling, d)
+	s.unwantLocked(a)
+	s.total -= a.bytes // CommitImage counted the dir
+	if !ours {
+		// Another writer committed d first: its dir was kept.
+		s.removeImageLocked(a.img)
+		return nil
+	}
+	a.img.dir = s.ImagePath(d)
+	// UnpackFrom verified every chunk and every whole file.
+	for _, p := range ps {
+		s.addPlaceLocked(a.img, p.d, p.file, p.off, p.size, true)
+	}
+	if s.images == nil {
+		s.images = map[digest.Digest]*image{}
+	}
+	s.images[d] = a.img
+	return nil
+}
+
+// indexImageChunks makes the chunks of materialized dir dir (snapshot d),
+// listed in its chunk list, readable by digest, to be verified on first
+// use. A dir without a readable list is still used as an image dir.
+// Called from Open.
+func (s *Store) indexImageChunks(d digest.Digest, dir string) {
+	paths, _, ps, err := readChunkList(dir)
+	if err != nil {
+		return
+	}
+	img := &image{d: d, dir: dir, paths: paths, fds: make([]*os.File, len(paths))}
+	for _, p := range ps {
+		s.addPlaceLocked(img, p.d, p.file, p.off, p.size, false)
+	}
+	if s.images == nil {
+		s.images = map[digest.Digest]*image{}
+	}
+	s.images[d] = img
+}
+
+// Close closes the files the store holds open: those of the image dirs it
+// reads chunks from and of its assemblies. Call it once nothing uses the
+// store any more (every load released); the store stays on disk.
+func (s *Store) Close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, img := range s.images {
+		img.closeFiles()
+	}
+	for _, a := range s.assembling {
+		a.img.closeFiles()
+	}
+}
+
+// usePlace returns a place holding chunk d and its open file, with a use
+// the caller ends with s.endUse, marking its image dir used. It returns
+// ErrNotFound if no image holds d.
+func (s *Store) usePlace(d digest.Digest) (*place, *os.File, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.placed[d] {
+		f, err := p.img.file(p.file)
+		if err != nil {
+			continue
+		}
+		p.img.users++
+		if e, ok := s.entries[imageKey(p.img.d)]; ok && s.images[p.img.d] == p.img {
+			e.lastUse = s.clock()
+		}
+		return p, f, nil
+	}
+	return nil, nil, ErrNotFound
+}
+
+func (s *Store) endUse(p *place) {
+	s.mu.Lock()
+	p.img.release()
+	s.mu.Unlock()
+}
+
+// readPlace reads chunk d from place p (file f) into buf (grown as
+// needed), verifying it if p is not verified yet or verify is set. A
+// damaged chunk in a materialized dir means the dir is damaged: it is
+// removed (no later mount uses it) and ErrNotFound returned.
+func (s *Store) readPlace(d digest.Digest, p *place, f *os.File, buf []byte, verify bool) ([]byte, error) {
+	if int64(cap(buf)) < p.size {
+		buf = make([]byte, p.size)
+	}
+	buf = buf[:p.size]
+	n, err := f.ReadAt(buf, p.off)
+	if n < len(buf) {
+		if err == nil {
+			err = errors.New("short read")
+		}
+		return nil, s.dropPlace(d, p, fmt.Sprintf("unreadable (%v)", err))
+	}
+	s.mu.Lock()
+	ok := p.verified && !verify
+	s.mu.Unlock()
+	if !ok {
+		if digest.FromBytes(buf) != d {
+			return nil, s.dropPlace(d, p, "damaged")
+		}
+		s.mu.Lock()
+		p.verified = true
+		s.mu.Unlock()
+	}
+	return buf, nil
+}
+
+// dropPlace handles chunk d found damaged at p: the image dir holding it
+// is damaged, so it is removed from the store (and from disk, unless an
+// assembly, which its loads fill again) and ErrNotFound is returned.
+func (s *Store) dropPlace(d digest.Digest, p *place, what string) error {
+	s.mu.Lock()
+	img := p.img
+	var trash string
+	if !img.gone && s.images[img.d] == img {
+		s.removeImageLocked(img)
+		if e, ok := s.entries[imageKey(img.d)]; ok {
+			s.total -= e.size
+			delete(s.entries, imageKey(img.d))
+		}
+		trash = s.unlinkImage(img.d)
+	} else if !img.gone {
+		// In an assembly: only this chunk is lost; the load writes it again.
+		ps := s.placed[d]
+		kept := ps[:0]
+		for _, q := range ps {
+			if q != p {
+				kept = append(kept, q)
+			}
+		}
+		if len(kept) == 0 {
+			delete(s.placed, d)
+		} else {
+			s.placed[d] = kept
+		}
+	}
+	s.mu.Unlock()
+	if trash != "" {
+		os.RemoveAll(trash)
+	}
+	return fmt.Errorf("chunk %s in the image dir of %s is %s; dropped: %w", d, img.d, what, ErrNotFound)
+}
+
+// WriteImage materializes snapshot snap, whose files' chunks are chunks
+// (format.LoadChunks), as its image dir, unless the cache holds that dir
+// complete already. With a live assembly of the snapshot (Assemble), that
+// is the assembly's dir: the chunks written in place are read back for
+// each file's sha256, the others taken from src (another image dir of the
+// node, or a fetch) and written, every file flushed, and the dir
+// committed (CommitImage) with its chunk list. Without one, every chunk
+// comes from src into a new dir. Either way it is format.UnpackFrom's
+// write: every chunk and every whole file verified, zero chunks left as
+// holes, files 0600 and dirs 0700 whatever modes the snapshot records.
+func (s *Store) WriteImage(ctx context.Context, snap *format.Snapshot, chunks [][]format.Chunk, src format.ChunkSource) error {
+	d := snap.Descriptor.Digest
+	if _, ok := s.Image(d); ok {
+		return nil
+	}
+	a := s.assembly(d)
+	if a == nil {
+		// A throwaway assembly nobody else writes into.
+		var err error
+		if a, err = s.Assemble(snap, chunks); err != nil {
+			return err
+		}
+		if a.img == nil {
+			return nil
+		}
+	}
+	defer a.Release()
+	_, err := format.UnpackFrom(ctx, snap, chunks, src, s.ImagePath(d), format.UnpackOptions{
+		Private:  true,
+		Staging:  a.img.dir,
+		InPlace:  a.inPlace,
+		Verified: a.verifiedWhole,
+		Commit:   func(string) error { return s.commitAssembly(a) },
+	})
+	return err
+}

@@ -1,0 +1,299 @@
+package cache
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+)
+
+// testSnapshot is a snapshot made of files given as chunks of bytes (nil:
+// a zero chunk of zeroSize bytes), with its table entries.
+type testSnapshot struct {
+	snap   *format.Snapshot
+	chunks [][]format.Chunk
+	files  map[string][]byte
+}
+
+const zeroSize = 8192
+
+func newTestSnapshot(name string, files map[string][][]byte) *testSnapshot {
+	ts := &testSnapshot{snap: &format.Snapshot{Descriptor: ocispec.Descriptor{Digest: digest.FromString(name)}}, files: map[string][]byte{}}
+	for _, path := range []string{"checkpoint.img", "pages.img"} {
+		pieces, ok := files[path]
+		if !ok {
+			continue
+		}
+		var data []byte
+		var cs []format.Chunk
+		for _, p := range pieces {
+			c := format.Chunk{Offset: int64(len(data)), Size: int64(len(p)), Encoding: format.EncodingRaw, Digest: digest.FromBytes(p)}
+			if p == nil {
+				p = make([]byte, zeroSize)
+				c = format.Chunk{Offset: int64(len(data)), Size: zeroSize, Encoding: format.EncodingZero}
+			}
+			data = append(data, p...)
+			cs = append(cs, c)
+		}
+		ts.snap.Files = append(ts.snap.Files, format.File{Path: path, Size: int64(len(data)), Mode: 0o644, Digest: digest.FromBytes(data)})
+		ts.chunks = append(ts.chunks, cs)
+		ts.files[path] = data
+	}
+	return ts
+}
+
+func randomBytes(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, 1))
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	return b
+}
+
+// noSource fails the test if a chunk is asked for: everything should be
+// in place.
+type noSource struct{ t *testing.T }
+
+func (s noSource) Chunk(_ context.Context, c format.Chunk, _ []byte) ([]byte, error) {
+	s.t.Errorf("chunk %s at %d asked for: it should be in place", c.Digest, c.Offset)
+	return nil, errors.New("not here")
+}
+
+// put hands every chunk of ts to the store, as the fetch scheduler does.
+func (ts *testSnapshot) put(t *testing.T, s *Store) {
+	t.Helper()
+	for fi, cs := range ts.chunks {
+		data := ts.files[ts.snap.Files[fi].Path]
+		for _, c := range cs {
+			if c.Encoding == format.EncodingZero {
+				continue
+			}
+			if err := s.PutVerified(c.Digest, data[c.Offset:c.Offset+c.Size]); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+func chunkFileCount(t *testing.T, root string) int {
+	t.Helper()
+	n := 0
+	filepath.WalkDir(filepath.Join(root, "chunks"), func(p string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			n++
+		}
+		return err
+	})
+	return n
+}
+
+// TestAssemblyWritesEachByteOnce assembles a snapshot whose pages.img
+// holds a chunk twice and a zero chunk: every chunk handed to the store is
+// written into the snapshot's files in place (no chunk file), readable by
+// digest at once, and the commit needs nothing more (no chunk asked for)
+// and gives the materialized dir with the right bytes and its chunk list.
+// A new process (Open) finds the chunks in that dir by the list.
+func TestAssemblyWritesEachByteOnce(t *testing.T) {
+	root := t.TempDir()
+	s, err := Open(root, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a1, a2 := randomBytes(1, 20000), randomBytes(2, 12288)
+	ts := newTestSnapshot("a", map[string][][]byte{
+		"checkpoint.img": {randomBytes(3, 5000)},
+		"pages.img":      {a1, nil, a2, a1},
+	})
+	asm, err := s.Assemble(ts.snap, ts.chunks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts.put(t, s)
+	if n := chunkFileCount(t, root); n != 0 {
+		t.Errorf("%d chunk files written: the chunks belong in the snapshot's files", n)
+	}
+	d1 := digest.FromBytes(a1)
+	if got, err := s.Get(d1, nil, false); err != nil || !bytes.Equal(got, a1) {
+		t.Fatalf("chunk placed in the assembly: Get %v", err)
+	}
+	part := make([]byte, 100)
+	if _, err := s.ReadAt(d1, part, 500); err != nil || !bytes.Equal(part, a1[500:600]) {
+		t.Fatalf("chunk placed in the assembly: ReadAt %v", err)
+	}
+	if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+	asm.Release()
+	dir, ok := s.Image(ts.snap.Descriptor.Digest)
+	if !ok {
+		t.Fatal("not materialized")
+	}
+	for path, want := range ts.files {
+		got, err := os.ReadFile(filepath.Join(dir, path))
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("%s in the materialized dir: %v, %d bytes", path, err, len(got))
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, ChunkList)); err != nil {
+		t.Fatalf("no chunk list: %v", err)
+	}
+	if got, err := s.Get(d1, nil, false); err != nil || !bytes.Equal(got, a1) {
+		t.Fatalf("chunk in the committed dir: Get %v", err)
+	}
+	s.Close()
+
+	s2, err := Open(root, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	d2 := digest.FromBytes(a2)
+	if !s2.Has(d1) || !s2.Has(d2) {
+		t.Fatal("after a restart, the chunks of the materialized dir are not found")
+	}
+	if got, err := s2.Get(d2, nil, false); err != nil || !bytes.Equal(got, a2) {
+		t.Fatalf("after a restart: Get %v", err)
+	}
+}
+
+// TestDamagedImageDirDropped damages a chunk of a materialized dir on disk:
+// a new process finds it on the chunk's first use, reports the chunk not
+// found (so it is fetched again) and drops the whole dir, which a later
+// mount would otherwise bind-mount.
+func TestDamagedImageDirDropped(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 0)
+	c := randomBytes(4, 30000)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {randomBytes(5, 4096), c}})
+	asm, _ := s.Assemble(ts.snap, ts.chunks)
+	ts.put(t, s)
+	if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+	asm.Release()
+	s.Close()
+	dir, _ := s.Image(ts.snap.Descriptor.Digest)
+	f, err := os.OpenFile(filepath.Join(dir, "pages.img"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte{c[100] ^ 1}, 4096+100)
+	f.Close()
+
+	s2, _ := Open(root, 0)
+	defer s2.Close()
+	d := digest.FromBytes(c)
+	if _, err := s2.ReadAt(d, make([]byte, 10), 0); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("damaged chunk read: %v, want ErrNotFound", err)
+	}
+	if s2.Has(d) {
+		t.Error("damaged chunk still offered")
+	}
+	if _, ok := s2.Image(ts.snap.Descriptor.Digest); ok {
+		t.Error("damaged materialized dir still offered")
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("damaged materialized dir still on disk: %v", err)
+	}
+}
+
+// TestChunkWrittenIntoEveryAssembly assembles two snapshots sharing a
+// chunk at once: one PutVerified writes it into both, and both commit with
+// nothing asked for.
+func TestChunkWrittenIntoEveryAssembly(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 0)
+	defer s.Close()
+	shared := randomBytes(6, 40000)
+	a := newTestSnapshot("a", map[string][][]byte{"pages.img": {shared, randomBytes(7, 4096)}})
+	b := newTestSnapshot("b", map[string][][]byte{"pages.img": {randomBytes(8, 4096), nil, shared}})
+	asmA, _ := s.Assemble(a.snap, a.chunks)
+	asmB, _ := s.Assemble(b.snap, b.chunks)
+	defer asmA.Release()
+	defer asmB.Release()
+	s.PutVerified(digest.FromBytes(shared), shared)
+	a.put(t, s) // the shared chunk again: no one wants it any more
+	b.put(t, s)
+	for _, ts := range []*testSnapshot{a, b} {
+		if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+			t.Fatal(err)
+		}
+		dir, ok := s.Image(ts.snap.Descriptor.Digest)
+		if !ok {
+			t.Fatal("not materialized")
+		}
+		got, _ := os.ReadFile(filepath.Join(dir, "pages.img"))
+		if !bytes.Equal(got, ts.files["pages.img"]) {
+			t.Fatalf("%s: wrong bytes", ts.snap.Descriptor.Digest)
+		}
+	}
+	if n := chunkFileCount(t, root); n != 0 {
+		t.Errorf("%d chunk files written", n)
+	}
+}
+
+// TestReleasedAssemblyIsRemoved releases an assembly that was never
+// committed (its mount went away): its dir, its chunks and the bytes it
+// counted are gone.
+func TestReleasedAssemblyIsRemoved(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 0)
+	defer s.Close()
+	c := randomBytes(9, 10000)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c}})
+	asm, _ := s.Assemble(ts.snap, ts.chunks)
+	again, _ := s.Assemble(ts.snap, ts.chunks) // a second load of it joins
+	ts.put(t, s)
+	if st := s.Stats(); st.Bytes != int64(len(c)) || st.Chunks != 1 {
+		t.Fatalf("while assembling: %+v", st)
+	}
+	asm.Release()
+	if !s.Has(digest.FromBytes(c)) {
+		t.Fatal("released by one of two loads: chunk gone")
+	}
+	again.Release()
+	if s.Has(digest.FromBytes(c)) {
+		t.Error("chunk of a discarded assembly still offered")
+	}
+	if st := s.Stats(); st.Bytes != 0 || st.Chunks != 0 {
+		t.Errorf("after the discard: %+v", st)
+	}
+	left, _ := filepath.Glob(filepath.Join(root, "images", "*"))
+	if len(left) != 0 {
+		t.Errorf("left in images/: %v", left)
+	}
+}
+
+// TestImageHoldingPinnedChunkKept: a materialized dir that holds the only
+// copy of a chunk a live mount pinned is not evicted, however full the
+// cache, until the pin goes.
+func TestImageHoldingPinnedChunkKept(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 1) // everything is over the cap
+	defer s.Close()
+	c := randomBytes(10, 50000)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c}})
+	d := digest.FromBytes(c)
+	s.Pin([]digest.Digest{d})
+	asm, _ := s.Assemble(ts.snap, ts.chunks)
+	ts.put(t, s)
+	if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+	asm.Release()
+	if _, ok := s.Image(ts.snap.Descriptor.Digest); !ok || !s.Has(d) {
+		t.Fatal("the dir holding a pinned chunk was evicted")
+	}
+	s.Unpin([]digest.Digest{d})
+	if _, ok := s.Image(ts.snap.Descriptor.Digest); ok || s.Has(d) {
+		t.Error("unpinned and over the cap: not evicted")
+	}
+}
