@@ -27,6 +27,7 @@ var (
 	shapedRep = flag.Int("shaped-reps", 1, "repetitions on each shaped link")
 	linksFlag = flag.String("links", "loopback,1gbit-5ms,100mbit-25ms", "links: loopback and/or shaped NAME-RTT with NAME 1gbit or 100mbit")
 	chartFlag = flag.String("chart", "", "write a PNG bar chart of the loopback results here")
+	formatFl  = flag.String("format", "v1", "snapshot format cryo pushes: v1 or v2")
 	regRoot   = flag.String("registry-root", "", "the registry's storage root (default: a temp dir); on tmpfs (/dev/shm/...) the registry, remote in real use, does not share the node's disk")
 )
 
@@ -81,7 +82,7 @@ func BenchmarkRestore(b *testing.B) {
 		app.NextCount(b)
 		img := app.Checkpoint(b)
 		tag := fmt.Sprintf("m%d", mib)
-		testenv.Run(b, cryo, "push", img, reg.Addr+"/cryo:"+tag)
+		testenv.Run(b, cryo, "push", "--format", *formatFl, img, reg.Addr+"/cryo:"+tag)
 		c := exec.Command(oras, "push", "--plain-http", reg.Addr+"/oras:"+tag, "checkpoint.img", "pages_meta.img", "pages.img")
 		c.Dir = img
 		if out, err := c.CombinedOutput(); err != nil {

@@ -10,13 +10,11 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
-	"sync/atomic"
 	"syscall"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
-	"golang.org/x/sys/unix"
 )
 
 // The node store writes each byte of a snapshot once. A snapshot being
@@ -48,9 +46,6 @@ type image struct {
 	fds []*os.File
 	// digests are the chunks placed in it (for removal).
 	digests []digest.Digest
-	// dirty counts, by file, the bytes written since the last writeback
-	// started (startWriteback).
-	dirty []atomic.Int64
 	// users counts reads and writes using fds; once gone (evicted, found
 	// damaged or discarded) the last user closes them. Under Store.mu.
 	users int
@@ -66,22 +61,6 @@ type place struct {
 	// verified: written by this process from verified bytes, or hashed
 	// since the store was opened. Under Store.mu.
 	verified bool
-}
-
-// writebackEvery is how many bytes written into one file of an assembly
-// start their writing to disk (sync_file_range), so that the flush at the
-// commit finds little left to do; it alone makes the file durable.
-const writebackEvery = 16 << 20
-
-// startWriteback counts n bytes written into file i and, every
-// writebackEvery bytes, starts writing the file's dirty pages to disk
-// without waiting for them.
-func (img *image) startWriteback(i int, n int64) {
-	if img.dirty[i].Add(n) < writebackEvery {
-		return
-	}
-	img.dirty[i].Store(0)
-	_ = unix.SyncFileRange(int(img.fds[i].Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
 }
 
 // file returns the image's file i, opening it for reading if needed.
@@ -180,7 +159,7 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 	if err != nil {
 		return nil, err
 	}
-	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files)), dirty: make([]atomic.Int64, len(snap.Files))}
+	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files))}
 	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), hashes: make([]fileHash, len(chunks))}
 	for i, f := range snap.Files {
 		img.paths = append(img.paths, f.Path)
@@ -357,12 +336,13 @@ func (s *Store) place(d digest.Digest, data []byte) (bool, error) {
 			errs[i] = fmt.Errorf("chunk %s: %d bytes, the table of %s says %d", d, len(data), sl.a.img.d, c.Size)
 			continue
 		}
-		f := sl.a.img.fds[sl.file]
-		if _, err := f.WriteAt(data, c.Offset); err != nil {
+		// Not flushed here: the commit flushes each file once. (Starting
+		// writeback every few MiB with sync_file_range made the sandbox's
+		// first page faults and its load slower on this machine's disk,
+		// docs/benchmarks.md.)
+		if _, err := sl.a.img.fds[sl.file].WriteAt(data, c.Offset); err != nil {
 			errs[i] = fmt.Errorf("write chunk %s into %s: %w", d, sl.a.img.paths[sl.file], err)
-			continue
 		}
-		sl.a.img.startWriteback(sl.file, c.Size)
 	}
 
 	s.mu.Lock()
