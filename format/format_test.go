@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/cryo-oci/cryo/format/statefile"
 	"io"
 	"io/fs"
 	"math/rand/v2"
@@ -438,6 +439,38 @@ func TestParseIndexRefusesFileThatIsADir(t *testing.T) {
 	}
 }
 
+// TestParseIndexRefusesNonCanonicalAnnotations: numbers in annotations are
+// plain decimal (no sign, no leading zero), modes 4 octal digits, keys
+// exact and unique, as cryo writes them (SPEC.md section 3); anything else
+// could be read two ways by two readers.
+func TestParseIndexRefusesNonCanonicalAnnotations(t *testing.T) {
+	good := indexOf([]string{"pages.img"})
+	parse := func(data []byte) error {
+		_, err := ParseIndex(ocispec.Descriptor{MediaType: ocispec.MediaTypeImageIndex, Digest: digest.FromBytes(data), Size: int64(len(data))}, data)
+		return err
+	}
+	if err := parse(good); err != nil {
+		t.Fatalf("good index: %v", err)
+	}
+	for name, r := range map[string][2]string{
+		"size with sign":       {`"vnd.cryo.file.size":"1"`, `"vnd.cryo.file.size":"+1"`},
+		"size leading zero":    {`"vnd.cryo.file.size":"1"`, `"vnd.cryo.file.size":"01"`},
+		"offset with sign":     {`"vnd.cryo.part.offset":"0"`, `"vnd.cryo.part.offset":"-0"`},
+		"mode without 0":       {`"vnd.cryo.file.mode":"0644"`, `"vnd.cryo.file.mode":"644"`},
+		"mode of 5 digits":     {`"vnd.cryo.file.mode":"0644"`, `"vnd.cryo.file.mode":"00644"`},
+		"key in another case":  {`"manifests":`, `"Manifests":`},
+		"annotation key twice": {`"vnd.cryo.file.size":"1"`, `"vnd.cryo.file.size":"1","vnd.cryo.file.size":"2"`},
+	} {
+		data := bytes.Replace(good, []byte(r[0]), []byte(r[1]), 1)
+		if bytes.Equal(data, good) {
+			t.Fatalf("%s: %s not in the index", name, r[0])
+		}
+		if err := parse(data); !errors.Is(err, ErrInvalid) {
+			t.Errorf("%s: got %v, want ErrInvalid", name, err)
+		}
+	}
+}
+
 // indexOf returns a snapshot index of one-byte files at paths (sorted).
 func indexOf(paths []string) []byte {
 	idx := ocispec.Index{Versioned: specsVersioned, MediaType: ocispec.MediaTypeImageIndex, ArtifactType: ArtifactTypeSnapshot}
@@ -503,6 +536,18 @@ func TestParseTableRefusesBadTables(t *testing.T) {
 	}
 	if _, err := ParseTable(append(enc(good()), []byte("{}")...)); !errors.Is(err, ErrInvalid) {
 		t.Errorf("trailing data: %v", err)
+	}
+	// Keys are exact and unique (SPEC.md section 8): Go would take
+	// "Size" for "size" and the last of two "size"s; another reader not.
+	for name, data := range map[string][]byte{
+		"key in another case": bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"Size":30`), 1),
+		"key twice":           bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"size":30,"size":30`), 1),
+		"chunks null":         bytes.Replace(enc(good()), []byte(`"chunks":[`), []byte(`"chunks":null,"x":[`), 1),
+		"non-UTF-8 path":      bytes.Replace(enc(good()), []byte(`"pages.img"`), []byte("\"pages\xff.img\""), 1),
+	} {
+		if _, err := ParseTable(data); !errors.Is(err, ErrInvalid) {
+			t.Errorf("%s: got %v, want ErrInvalid", name, err)
+		}
 	}
 	if _, err := ParseTable(make([]byte, MaxTableSize+1)); !errors.Is(err, ErrTooLarge) {
 		t.Errorf("oversized table: %v", err)
@@ -687,4 +732,55 @@ func streamsGiveThePackedSnapshot(t *testing.T, src string, v Version) {
 		t.Fatalf("streamed snapshot %s (%d files), packed %s (%d)", got.Digest, st.Files, want.Digest, len(files))
 	}
 
+}
+
+// TestCreatedFromTimestamp pins which checkpoint.img _timestamp forms give
+// org.opencontainers.image.created, and how it is written (SPEC.md
+// section 3): RFC 3339 in UTC, as many fraction digits as needed, none for
+// whole seconds; an unparsable timestamp gives no created at all.
+func TestCreatedFromTimestamp(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"2026-11-30 04:59:22.364981031 +0000 UTC", "2026-11-30T04:59:22.364981031Z"},
+		{"2026-11-30 04:59:22.5 +0000 UTC", "2026-11-30T04:59:22.5Z"},
+		{"2026-11-30 04:59:22 +0000 UTC", "2026-11-30T04:59:22Z"},
+		{"2026-11-30 05:59:22.1 +0100 CET", "2026-11-30T04:59:22.1Z"},
+		{"2026-11-30 04:59:22.364981031 +0000 UTC m=+12.000000001", "2026-11-30T04:59:22.364981031Z"},
+		{"2026-11-30T00:00:00Z", "2026-11-30T00:00:00Z"},
+		{"2026-11-30T01:00:00.250+01:00", "2026-11-30T00:00:00.25Z"},
+		{"yesterday", ""},
+		{"", ""},
+	} {
+		md := map[string]string{statefile.KeyTimestamp: tc.in}
+		got := snapshotAnnotations(md, time.Time{})[AnnotationCreated]
+		if got != tc.want {
+			t.Errorf("_timestamp %q: created %q, want %q", tc.in, got, tc.want)
+		}
+		if tc.in != "" && snapshotAnnotations(md, time.Time{})[AnnotationRunscTimestamp] != tc.in {
+			t.Errorf("_timestamp %q not kept verbatim", tc.in)
+		}
+	}
+}
+
+// TestZstdBlobOfSeveralFrames pins SPEC.md section 7: a zstd blob may be
+// several frames, concatenated, with skippable frames among them; it
+// decodes as the concatenation of its frames' output.
+func TestZstdBlobOfSeveralFrames(t *testing.T) {
+	codec, err := NewCodec(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer codec.Close()
+	data := bytes.Repeat([]byte("cryo memory page "), 4096)
+	enc, _ := zstd.NewWriter(nil)
+	defer enc.Close()
+	skippable := []byte{0x50, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 'a', 'b', 'c'}
+	var blob []byte
+	blob = enc.EncodeAll(data[:len(data)/3], blob)
+	blob = append(blob, skippable...)
+	blob = enc.EncodeAll(data[len(data)/3:], blob)
+	c := Chunk{Size: int64(len(data)), Encoding: EncodingZstd, Digest: digest.FromBytes(data), Blob: digest.FromBytes(blob), BlobSize: int64(len(blob))}
+	got, err := codec.Decode(c, blob, nil)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("two frames and a skippable one: %v", err)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"unicode/utf8"
 )
 
 // knownKeys are the JSON keys of every document cryo reads (indexes,
@@ -33,8 +34,13 @@ var knownKeys = func() map[string]string {
 // last of duplicates and match keys case-insensitively, so that two
 // readers in different languages could see two different tables in one
 // blob. Annotation keys are exempt from the case rule (they are any
-// strings), not from the duplicate rule.
+// strings), not from the duplicate rule. The document must be UTF-8 too
+// (RFC 8259): encoding/json would read invalid bytes in a string as
+// U+FFFD, another path than the one written.
 func CheckKeys(data []byte) error {
+	if !utf8.Valid(data) {
+		return fmt.Errorf("not UTF-8")
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	if err := checkValue(dec, false); err != nil {

@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -471,10 +472,22 @@ func snapshotAnnotations(md map[string]string, created time.Time) map[string]str
 	return a
 }
 
-// ParseRunscTimestamp parses the _timestamp runsc writes into checkpoint.img
-// (Go's time.Time.String of a UTC time).
+// ParseRunscTimestamp parses the _timestamp of a checkpoint.img header
+// (SPEC.md section 3): Go's time.Time.String form, which runsc writes
+// ("2006-01-02 15:04:05.999999999 -0700 MST", a monotonic clock suffix
+// " m=±..." ignored), or RFC 3339 with or without a fraction.
 func ParseRunscTimestamp(s string) (time.Time, error) {
-	return time.Parse("2006-01-02 15:04:05.999999999 -0700 MST", s)
+	if i := strings.Index(s, " m="); i >= 0 {
+		s = s[:i]
+	}
+	if t, err := time.Parse("2006-01-02 15:04:05.999999999 -0700 MST", s); err == nil {
+		return t, nil
+	}
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("checkpoint.img _timestamp %q: neither Go's time format nor RFC 3339", s)
+	}
+	return t, nil
 }
 
 type packJob struct {

@@ -212,9 +212,10 @@ func parseFileAnnotations(m ocispec.Descriptor) (File, Part, error) {
 			return 0
 		}
 		var v int64
-		v, err = strconv.ParseInt(a[key], 10, 64)
-		if err == nil && v < 0 {
-			err = fmt.Errorf("negative %s", key)
+		if !canonicalDecimal(a[key]) {
+			err = fmt.Errorf("%q is not a decimal number without sign or leading zeros", a[key])
+		} else {
+			v, err = strconv.ParseInt(a[key], 10, 64)
 		}
 		if err != nil {
 			err = fmt.Errorf("%q: annotation %s: %v", f.Path, key, err)
@@ -226,9 +227,10 @@ func parseFileAnnotations(m ocispec.Descriptor) (File, Part, error) {
 	if err != nil {
 		return f, p, err
 	}
-	mode, perr := strconv.ParseUint(a[AnnotationFileMode], 8, 32)
-	if perr != nil || mode&^uint64(fs.ModePerm) != 0 {
-		return f, p, fmt.Errorf("%q: annotation %s %q is not octal permission bits", f.Path, AnnotationFileMode, a[AnnotationFileMode])
+	ms := a[AnnotationFileMode]
+	mode, perr := strconv.ParseUint(ms, 8, 32)
+	if perr != nil || len(ms) != 4 || ms[0] != '0' || mode&^uint64(fs.ModePerm) != 0 {
+		return f, p, fmt.Errorf("%q: annotation %s %q is not 4 octal digits of permission bits (\"0644\")", f.Path, AnnotationFileMode, ms)
 	}
 	f.Mode = fs.FileMode(mode)
 	if p.Offset > f.Size || p.Length > f.Size-p.Offset {
@@ -387,7 +389,24 @@ func FetchVerified(ctx context.Context, src content.Fetcher, desc ocispec.Descri
 	return data, nil
 }
 
+// canonicalDecimal reports whether s is a non-negative decimal integer as
+// cryo writes it: digits only, no sign, no leading zero (but "0").
+func canonicalDecimal(s string) bool {
+	if s == "" || len(s) > 1 && s[0] == '0' {
+		return false
+	}
+	for _, r := range s {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return true
+}
+
 func strictUnmarshal(data []byte, v any) error {
+	if err := CheckKeys(data); err != nil {
+		return err
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(v); err != nil {
 		return err

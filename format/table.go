@@ -8,6 +8,7 @@ import (
 	"path"
 	"sort"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/opencontainers/go-digest"
@@ -117,6 +118,9 @@ func ParseTable(data []byte) (*Table, error) {
 	if len(data) > MaxTableSize {
 		return nil, fmt.Errorf("chunk table of %d bytes: %w (limit %d)", len(data), ErrTooLarge, MaxTableSize)
 	}
+	if err := CheckKeys(data); err != nil {
+		return nil, fmt.Errorf("decode chunk table: %v: %w", err, ErrInvalid)
+	}
 	var t Table
 	dec := json.NewDecoder(bytes.NewReader(data))
 	if err := dec.Decode(&t); err != nil {
@@ -124,6 +128,9 @@ func ParseTable(data []byte) (*Table, error) {
 	}
 	if dec.More() {
 		return nil, fmt.Errorf("chunk table has data after its JSON object: %w", ErrInvalid)
+	}
+	if t.Chunks == nil {
+		return nil, fmt.Errorf("chunk table of %q has no chunks array (an empty part has \"chunks\":[]): %w", t.Path, ErrInvalid)
 	}
 	if err := t.Validate(); err != nil {
 		return nil, err
@@ -234,6 +241,9 @@ func (t *Table) Locate(off, n int64) (first, last int) {
 func ValidatePath(p string) error {
 	if p == "" || p == "." || len(p) > 4096 || !fs.ValidPath(p) || strings.ContainsAny(p, "\\\x00") || path.Clean(p) != p {
 		return fmt.Errorf("file path %q is not a clean relative path inside the image dir: %w", p, ErrInvalid)
+	}
+	if !utf8.ValidString(p) {
+		return fmt.Errorf("file path %q is not UTF-8 (a JSON string cannot carry it): %w", p, ErrInvalid)
 	}
 	return nil
 }

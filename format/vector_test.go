@@ -1,6 +1,7 @@
 package format
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -10,6 +11,9 @@ import (
 	"strconv"
 	"testing"
 
+	"github.com/cryo-oci/cryo/format/chunker"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/content/memory"
 )
 
@@ -102,5 +106,145 @@ func TestVector(t *testing.T) {
 	}
 	if got.Index != want.Index {
 		t.Errorf("index digest %s, want %s", got.Index, want.Index)
+	}
+}
+
+// TestJSONAsWritten holds, byte for byte, the JSON cryo writes for the test
+// vector (SPEC.md section 8): its index, and pages.img's part manifest and
+// chunk table, in testdata/vector-*.json. A second writer that reproduces
+// these reproduces the member order, escaping and number forms.
+func TestJSONAsWritten(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	writeVectorDir(t, dir)
+	store := memory.New()
+	desc, _, err := Pack(ctx, dir, store, PackOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := LoadSnapshot(ctx, store, desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pt, err := LoadPart(ctx, store, snap.File(PagesFile), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, d := range map[string]ocispec.Descriptor{
+		"vector-index.json":          desc,
+		"vector-pages-manifest.json": snap.File(PagesFile).Parts[0].Manifest,
+		"vector-pages-table.json":    pt.Manifest.Config,
+	} {
+		got, err := content.FetchAll(ctx, store, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join("testdata", name)
+		if *updateVector {
+			if err := os.WriteFile(path, got, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("%s: cryo writes\n%s\nwant\n%s", name, got, want)
+		}
+	}
+}
+
+// writeVector2Dir writes test vector 2 (SPEC.md section 11): vector 1's
+// files plus an empty file and, in a subdirectory, a file of 4,097 pages
+// (every odd page incompressible, every even page zero) that, cut into
+// fixed 4 KiB chunks, takes two parts, the second all zero.
+func writeVector2Dir(t *testing.T, dir string) {
+	t.Helper()
+	writeVectorDir(t, dir)
+	if err := os.WriteFile(filepath.Join(dir, "empty.img"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(filepath.Join(dir, "empty.img"), 0o644)
+	many := make([]byte, 4097*4096)
+	for i := 1; i < 4097; i += 2 {
+		for j := range 128 {
+			sum := sha256.Sum256([]byte(strconv.Itoa(i*1000 + j)))
+			copy(many[i*4096+32*j:], sum[:])
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(dir, "sub", "dir"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(dir, "sub", "dir", "many.img")
+	if err := os.WriteFile(p, many, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(p, 0o600)
+}
+
+// TestVector2 packs test vector 2 with fixed 4 KiB chunks and compares the
+// digests of its index and of every part's manifest and table with
+// testdata/vector2.json, which SPEC.md quotes: a multi-part file, an empty
+// file, a subdirectory and a part whose only layer is the empty descriptor.
+func TestVector2(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	writeVector2Dir(t, dir)
+	store := memory.New()
+	opts := PackOptions{Chunking: chunker.FixedSize(4096)}
+	desc, _, err := Pack(ctx, dir, store, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := LoadSnapshot(ctx, store, desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type part struct {
+		Manifest string `json:"manifest"`
+		Table    string `json:"table"`
+	}
+	got := struct {
+		Index string            `json:"index"`
+		Parts map[string][]part `json:"parts"`
+	}{Index: desc.Digest.String(), Parts: map[string][]part{}}
+	for i := range snap.Files {
+		f := &snap.Files[i]
+		for p := range f.Parts {
+			pt, err := LoadPart(ctx, store, f, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got.Parts[f.Path] = append(got.Parts[f.Path], part{Manifest: f.Parts[p].Manifest.Digest.String(), Table: pt.Manifest.Config.Digest.String()})
+		}
+	}
+	if n := len(snap.File("sub/dir/many.img").Parts); n != 2 {
+		t.Fatalf("sub/dir/many.img in %d parts, want 2", n)
+	}
+	last, err := LoadPart(ctx, store, snap.File("sub/dir/many.img"), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l := last.Manifest.Layers; len(l) != 1 || l[0].Digest != ocispec.DescriptorEmptyJSON.Digest {
+		t.Fatalf("the all-zero part's layers: %v, want the empty descriptor", l)
+	}
+	empty, err := LoadPart(ctx, store, snap.File("empty.img"), 0)
+	if err != nil || empty.Table.Length != 0 || len(empty.Table.Chunks) != 0 {
+		t.Fatalf("empty.img: %v, %+v", err, empty)
+	}
+	data, _ := json.MarshalIndent(got, "", "  ")
+	path := filepath.Join("testdata", "vector2.json")
+	if *updateVector {
+		if err := os.WriteFile(path, append(data, '\n'), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(append(data, '\n'), want) {
+		t.Errorf("vector 2 packs to\n%s\nwant\n%s", data, want)
 	}
 }

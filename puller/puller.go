@@ -2,10 +2,10 @@
 // dir that `runsc restore --image-path` can use before the snapshot is
 // downloaded: a FUSE mount (imagefs) whose large files are fetched lazily,
 // demand reads first (fetch), into a node cache shared by every mount
-// (cache). Once every chunk of a snapshot is local, the puller writes it
-// out once as a plain image dir ("materialized", with format.UnpackFrom),
-// and later mounts of the same snapshot use that dir with no FUSE in the
-// path. Without FUSE it falls back to an eager, verified pull into such a
+// (cache), which writes each chunk once, in place, into the snapshot's
+// image dir being assembled. Once every chunk of a snapshot is there, the
+// dir is flushed and committed ("materialized"), and later mounts of the
+// same snapshot use it with no FUSE in the path. Without FUSE it falls back to an eager, verified pull into such a
 // dir. Load does what a mount does in the background (pin, fetch every
 // chunk, materialize) without presenting anything; Mount presents a load.
 //

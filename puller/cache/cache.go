@@ -1,13 +1,16 @@
-// Package cache is the node store of a puller: chunks stored by the sha256
-// of their uncompressed bytes under <root>/chunks/sha256/<hh>/<hex>, shared
-// by every snapshot and mount on the node, so a chunk two snapshots share is
-// fetched once; and materialized image dirs, whole snapshots written out as
-// plain files under <root>/images/<hex> (see image.go).
+// Package cache is the node store of a puller, shared by every snapshot and
+// mount on the node, so a chunk two snapshots share is fetched once. It
+// holds materialized image dirs, whole snapshots as plain files under
+// <root>/images/<hex> (see image.go), each written once, in place, as its
+// chunks arrive (see assemble.go), and found again by digest through its
+// chunk list; and, for chunks no snapshot being assembled holds, chunk
+// files under <root>/chunks/sha256/<hh>/<hex>.
 //
-// Every chunk is verified before it is stored and appears atomically and
-// durably (an unnamed O_TMPFILE inode, flushed, then linked into place and
-// its directory flushed), so a crash or kill -9 leaves no partial chunk
-// under a chunk's name. The disk is not trusted across processes all the
+// Every chunk is verified before it is stored. A chunk file appears
+// atomically and durably (an unnamed O_TMPFILE inode, flushed, then linked
+// into place and its directory flushed), and an image dir only once every
+// file in it is verified and flushed, so a crash or kill -9 leaves no
+// partial chunk or dir under its name. The disk is not trusted across processes all the
 // same: a chunk found on disk is verified (sha256) the first time a process
 // uses it, and a bad or short one is dropped and reported as not found, so
 // the caller fetches it again. The store keeps its total size (chunks and

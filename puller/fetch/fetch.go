@@ -10,8 +10,8 @@
 // rather than fail fast.
 //
 // A verified chunk goes to the reads waiting for it at once and is written
-// into the node cache in the background (fsynced before it appears there,
-// see cache.Store.PutVerified), by a few writers behind a queue bounded in
+// into the node cache in the background (in place in the image dirs being
+// assembled, see cache.Store.PutVerified), by a few writers behind a queue bounded in
 // bytes: a fetch worker goes on to its next chunk instead of waiting for the
 // disk, and a disk slower than the network slows fetching down instead of
 // growing the queue. Until its write is over, a chunk stays in flight: a
@@ -177,8 +177,8 @@ type call struct {
 	done     chan struct{}
 	finished bool
 	// ready is closed when readers may go on: as soon as the chunk is
-	// verified (data set), before it is written to the node cache and
-	// fsynced, so that a page fault does not wait for the disk; else
+	// verified (data set), before it is written to the node cache, so
+	// that a page fault does not wait for the disk; else
 	// with done.
 	ready     chan struct{}
 	readyOnce sync.Once

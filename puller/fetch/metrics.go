@@ -34,7 +34,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "cryo_puller_verification_failures_total", Help: "Chunks whose content did not match their digest, by endpoint.",
 		}, []string{"endpoint"}),
 		writeQueue: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "cryo_puller_cache_write_queue_bytes", Help: "Verified chunk bytes waiting to be written (and fsynced) into the node cache.",
+			Name: "cryo_puller_cache_write_queue_bytes", Help: "Verified chunk bytes waiting to be written into the node cache.",
 		}),
 		writeFails: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "cryo_puller_cache_write_failures_total", Help: "Verified chunks that could not be written into the node cache (served from memory, fetched again when next needed).",

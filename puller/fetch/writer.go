@@ -8,7 +8,7 @@ import (
 
 // writer stores verified chunks in the node cache in the background, so
 // that a fetch worker goes on to its next chunk instead of waiting for this
-// one's fdatasync. A few goroutines write at once (the disk takes parallel
+// one's write. A few goroutines write at once (the disk takes parallel
 // flushes better than one at a time); the bytes queued or being written are
 // bounded, and a submit waits for room: a disk slower than the network
 // slows fetching down instead of growing the queue.
