@@ -49,10 +49,11 @@ type UnpackOptions struct {
 	// chunk found in a staging file is verified before it is kept. A chunk
 	// InPlace vouches for wrongly still fails the whole file's check.
 	InPlace func(f *File, c Chunk) bool
-	// Verified, if set, reports that file f is complete in the staging
-	// dir and that the caller has checked its sha256 there: UnpackFrom
-	// only gives it its size and mode and flushes it.
-	Verified func(f *File) bool
+	// Verified, if set, reports that file f, opened in the staging dir as
+	// opened, is complete and that the caller has checked its sha256 in
+	// that very file (os.SameFile): UnpackFrom only gives it its size and
+	// mode and flushes it.
+	Verified func(f *File, opened fs.FileInfo) bool
 }
 
 // UnpackStats counts what Unpack did.
@@ -355,7 +356,7 @@ func (w *writer) writeFile(ctx context.Context, f *File, chunks []Chunk) error {
 	if !info.Mode().IsRegular() {
 		return fmt.Errorf("%s in %s is not a regular file", f.Path, w.root)
 	}
-	if w.opts.Verified != nil && w.opts.Verified(f) {
+	if w.opts.Verified != nil && w.opts.Verified(f, info) {
 		w.mu.Lock()
 		w.st.ReusedBytes += f.Size
 		w.mu.Unlock()

@@ -272,7 +272,9 @@ func (l *load) prepare(ctx context.Context) error {
 	}
 	l.p.cache.Pin(l.pinned)
 	if l.asm, err = l.p.cache.Assemble(l.snap, chunks); err != nil {
-		return err
+		// Reads do not need it: the chunks then go to chunk files, and
+		// the materialized dir is written from them at the end.
+		l.p.opts.Logger.Warn("cannot assemble the snapshot's image dir in the node cache", "snapshot", l.src.Index.Digest, "err", err)
 	}
 	o := l.p.opts
 	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})

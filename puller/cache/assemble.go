@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -50,6 +51,8 @@ type image struct {
 	// damaged or discarded) the last user closes them. Under Store.mu.
 	users int
 	gone  bool
+	// asm is the assembly writing the image, until it is committed.
+	asm *Assembly
 }
 
 // place is a chunk at an offset of a file of an image.
@@ -106,10 +109,13 @@ type Assembly struct {
 	// marks the chunks written in place from verified bytes, by file and
 	// chunk index; bytes is what was written (counted in the store's
 	// total); done is set once committed or discarded.
-	refs   int
-	filled [][]bool
-	bytes  int64
-	done   bool
+	refs    int
+	filled  [][]bool
+	tainted []bool
+	bytes   int64
+	done    bool
+	// commitMu makes WriteImages of one assembly take turns.
+	commitMu sync.Mutex
 	// digests are the files' sha256s (from the snapshot); hashes hash
 	// each file in order as its chunks land, so that the commit need not
 	// read the files back.
@@ -160,7 +166,8 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 		return nil, err
 	}
 	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files))}
-	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), hashes: make([]fileHash, len(chunks))}
+	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), tainted: make([]bool, len(chunks)), hashes: make([]fileHash, len(chunks))}
+	img.asm = a
 	for i, f := range snap.Files {
 		img.paths = append(img.paths, f.Path)
 		a.digests = append(a.digests, f.Digest)
@@ -218,11 +225,11 @@ func (a *Assembly) Release() {
 	}
 	s := a.s
 	s.asmMu.Lock()
-	defer s.asmMu.Unlock()
 	s.mu.Lock()
 	a.refs--
 	if a.refs > 0 || a.done {
 		s.mu.Unlock()
+		s.asmMu.Unlock()
 		return
 	}
 	a.done = true
@@ -232,6 +239,7 @@ func (a *Assembly) Release() {
 	s.total -= a.bytes
 	dir := a.img.dir
 	s.mu.Unlock()
+	s.asmMu.Unlock()
 	os.RemoveAll(dir)
 }
 
@@ -475,15 +483,37 @@ func (s *Store) endImageUse(img *image) {
 
 // verifiedWhole reports whether file f of the assembly is complete in
 // place and hashes to its digest (for format.UnpackOptions.Verified).
-func (a *Assembly) verifiedWhole(f *format.File) bool {
+func (a *Assembly) verifiedWhole(f *format.File, opened fs.FileInfo) bool {
 	fi := a.fileIndex(f)
-	if fi < 0 || a.digests[fi] != f.Digest || !a.advance(fi, -1, nil, true) {
+	if fi < 0 || a.digests[fi] != f.Digest || a.isTainted(fi) || !a.sameFile(fi, opened) || !a.advance(fi, -1, nil, true) {
 		return false
 	}
 	fh := &a.hashes[fi]
 	fh.mu.Lock()
 	defer fh.mu.Unlock()
 	return digest.NewDigestFromBytes(digest.SHA256, fh.h.Sum(nil)) == f.Digest
+}
+
+// sameFile reports whether opened is the assembly's file fi: not so if
+// its dir was removed under it (by another process sharing the cache dir,
+// which Open clears of temporary dirs) and the path made again, empty.
+func (a *Assembly) sameFile(fi int, opened fs.FileInfo) bool {
+	a.s.mu.Lock()
+	f := a.img.fds[fi]
+	a.s.mu.Unlock()
+	if f == nil {
+		return false
+	}
+	info, err := f.Stat()
+	return err == nil && os.SameFile(info, opened)
+}
+
+// isTainted reports whether a chunk of file fi was found damaged in place:
+// the commit then verifies each of its chunks again.
+func (a *Assembly) isTainted(fi int) bool {
+	a.s.mu.Lock()
+	defer a.s.mu.Unlock()
+	return a.tainted[fi]
 }
 
 // fileIndex returns the index of file f in the assembly, or -1.
@@ -530,7 +560,7 @@ func (a *Assembly) inPlace(f *format.File, c format.Chunk) bool {
 	}
 	a.s.mu.Lock()
 	defer a.s.mu.Unlock()
-	return a.filled[fi][ci]
+	return a.filled[fi][ci] && !a.tainted[fi]
 }
 
 // assembly returns snapshot d's live assembly, with a reference the caller
@@ -554,10 +584,17 @@ func (s *Store) assembly(d digest.Digest) *Assembly {
 func (s *Store) commitAssembly(a *Assembly) error {
 	d := a.img.d
 	ps := chunkPlacements(a.chunks)
-	if err := atomicfile.Write(a.img.dir, filepath.Join(a.img.dir, ChunkList), encodeChunkList(a.img.paths, ps), 0o400); err != nil {
+	s.mu.Lock()
+	dir := a.img.dir
+	s.mu.Unlock()
+	if err := atomicfile.Write(dir, filepath.Join(dir, ChunkList), encodeChunkList(a.img.paths, ps), 0o400); err != nil {
 		return fmt.Errorf("materialize %s: chunk list: %w", d, err)
 	}
-	ours, err := s.commitImage(d, a.img.dir)
+	s.mu.Lock()
+	staging := a.img.dir
+	s.mu.Unlock()
+	// The dir's size replaces what the assembly counted, in one step.
+	ours, err := s.commitImage(d, staging, a)
 	// Evicted once its chunks are known: it may hold pinned ones.
 	defer s.evict()
 	if err != nil {
@@ -568,9 +605,9 @@ func (s *Store) commitAssembly(a *Assembly) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	a.done = true
+	a.img.asm = nil
 	delete(s.assembling, d)
 	s.unwantLocked(a)
-	s.total -= a.bytes // CommitImage counted the dir
 	if !ours {
 		// Another writer committed d first: its dir was kept.
 		s.removeImageLocked(a.img)
@@ -683,16 +720,27 @@ func (s *Store) readPlace(d digest.Digest, p *place, f *os.File, buf []byte, ver
 func (s *Store) dropPlace(d digest.Digest, p *place, what string) error {
 	s.mu.Lock()
 	img := p.img
-	var trash string
+	var trash, unmark string
 	if !img.gone && s.images[img.d] == img {
 		s.removeImageLocked(img)
 		if e, ok := s.entries[imageKey(img.d)]; ok {
 			s.total -= e.size
 			delete(s.entries, imageKey(img.d))
 		}
-		trash = s.unlinkImage(img.d)
+		if s.pins[imageKey(img.d)] > 0 {
+			// A live mount reads it: its files stay for it, but without
+			// the marker no later mount or process uses the dir (Open
+			// removes it).
+			unmark = filepath.Join(img.dir, ImageMarker)
+		} else {
+			trash = s.unlinkImage(img.d)
+		}
 	} else if !img.gone {
-		// In an assembly: only this chunk is lost; the load writes it again.
+		// In an assembly: the commit verifies the file's chunks again
+		// and fetches this one.
+		if a := img.asm; a != nil && !a.done {
+			a.tainted[p.file] = true
+		}
 		ps := s.placed[d]
 		kept := ps[:0]
 		for _, q := range ps {
@@ -709,6 +757,10 @@ func (s *Store) dropPlace(d digest.Digest, p *place, what string) error {
 	s.mu.Unlock()
 	if trash != "" {
 		os.RemoveAll(trash)
+	}
+	if unmark != "" {
+		os.Remove(unmark)
+		atomicfile.SyncDir(filepath.Dir(unmark))
 	}
 	return fmt.Errorf("chunk %s in the image dir of %s is %s; dropped: %w", d, img.d, what, ErrNotFound)
 }
@@ -740,9 +792,20 @@ func (s *Store) WriteImage(ctx context.Context, snap *format.Snapshot, chunks []
 		}
 	}
 	defer a.Release()
+	a.commitMu.Lock()
+	defer a.commitMu.Unlock()
+	s.mu.Lock()
+	done, staging := a.done, a.img.dir
+	s.mu.Unlock()
+	if done {
+		if _, ok := s.Image(d); ok {
+			return nil
+		}
+		return fmt.Errorf("materialize %s: its assembly was discarded", d)
+	}
 	_, err := format.UnpackFrom(ctx, snap, chunks, src, s.ImagePath(d), format.UnpackOptions{
 		Private:  true,
-		Staging:  a.img.dir,
+		Staging:  staging,
 		InPlace:  a.inPlace,
 		Verified: a.verifiedWhole,
 		Commit:   func(string) error { return s.commitAssembly(a) },

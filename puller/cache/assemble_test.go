@@ -297,3 +297,111 @@ func TestImageHoldingPinnedChunkKept(t *testing.T) {
 		t.Error("unpinned and over the cap: not evicted")
 	}
 }
+
+// mapSource serves chunks from a map of their bytes (a registry, in the
+// tests), counting what it serves.
+type mapSource struct {
+	chunks map[digest.Digest][]byte
+	served int
+}
+
+func (s *mapSource) Chunk(_ context.Context, c format.Chunk, _ []byte) ([]byte, error) {
+	b, ok := s.chunks[c.Digest]
+	if !ok {
+		return nil, errors.New("no such chunk")
+	}
+	s.served++
+	return b, nil
+}
+
+// TestAssemblyRemovedUnderItNeverCommitsZeros removes an assembly's dir
+// from under it, as a second process opening the same cache dir does
+// (Open clears temporary dirs): the commit must not make the files it then
+// finds (created again, empty) the materialized dir on the strength of
+// the hash of the bytes written into the removed ones.
+func TestAssemblyRemovedUnderItNeverCommitsZeros(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 0)
+	defer s.Close()
+	c := randomBytes(11, 40000)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c}})
+	asm, _ := s.Assemble(ts.snap, ts.chunks)
+	defer asm.Release()
+	ts.put(t, s)
+	tmps, _ := filepath.Glob(filepath.Join(root, "images", "*.tmp-*"))
+	if len(tmps) != 1 {
+		t.Fatalf("%d assemblies on disk", len(tmps))
+	}
+	os.RemoveAll(tmps[0])
+	err := s.WriteImage(context.Background(), ts.snap, ts.chunks, &mapSource{chunks: map[digest.Digest][]byte{digest.FromBytes(c): c}})
+	if dir, ok := s.Image(ts.snap.Descriptor.Digest); ok {
+		got, _ := os.ReadFile(filepath.Join(dir, "pages.img"))
+		if !bytes.Equal(got, c) {
+			t.Fatalf("committed a materialized dir with the wrong bytes (WriteImage: %v)", err)
+		}
+	}
+}
+
+// TestDamagedChunkInAssemblyRefetchedAtCommit damages a chunk written in
+// place, on disk, before the commit: a verifying read finds it, and the
+// commit verifies that file's chunks again and takes the chunk from its
+// source instead of committing the damaged bytes.
+func TestDamagedChunkInAssemblyRefetchedAtCommit(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 0)
+	defer s.Close()
+	c1, c2 := randomBytes(12, 20000), randomBytes(13, 20000)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c1, c2}})
+	asm, _ := s.Assemble(ts.snap, ts.chunks)
+	defer asm.Release()
+	ts.put(t, s)
+	tmps, _ := filepath.Glob(filepath.Join(root, "images", "*.tmp-*", "pages.img"))
+	f, err := os.OpenFile(tmps[0], os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte{c2[7] ^ 1}, int64(len(c1))+7)
+	f.Close()
+	d2 := digest.FromBytes(c2)
+	if _, err := s.Get(d2, nil, true); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("verifying read of the damaged chunk: %v, want ErrNotFound", err)
+	}
+	src := &mapSource{chunks: map[digest.Digest][]byte{d2: c2}}
+	if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, src); err != nil {
+		t.Fatal(err)
+	}
+	dir, _ := s.Image(ts.snap.Descriptor.Digest)
+	got, _ := os.ReadFile(filepath.Join(dir, "pages.img"))
+	if !bytes.Equal(got, ts.files["pages.img"]) {
+		t.Fatal("the damaged chunk was committed")
+	}
+	if src.served != 1 {
+		t.Errorf("%d chunks taken from the source, want the damaged one", src.served)
+	}
+}
+
+// TestTwoDirsHoldingAPinnedChunk: when the only two copies of a pinned
+// chunk are in two materialized dirs, eviction keeps one of them.
+func TestTwoDirsHoldingAPinnedChunk(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 1)
+	defer s.Close()
+	shared := randomBytes(14, 30000)
+	d := digest.FromBytes(shared)
+	s.Pin([]digest.Digest{d})
+	defer s.Unpin([]digest.Digest{d})
+	for _, name := range []string{"a", "b"} {
+		ts := newTestSnapshot(name, map[string][][]byte{"pages.img": {shared, randomBytes(15, 4096)}})
+		asm, _ := s.Assemble(ts.snap, ts.chunks)
+		ts.put(t, s)
+		s.PutVerified(d, shared)
+		if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, &mapSource{chunks: map[digest.Digest][]byte{d: shared}}); err != nil {
+			t.Fatal(err)
+		}
+		asm.Release()
+	}
+	s.evict()
+	if !s.Has(d) {
+		t.Fatal("both dirs holding a pinned chunk were evicted")
+	}
+}

@@ -273,7 +273,7 @@ func (s *Store) readAtPlaceOnce(d digest.Digest, pl *place, f *os.File, p []byte
 	verified := pl.verified
 	s.mu.Unlock()
 	if !verified {
-		_, err, _ := s.verifying.Do("place:"+d.String(), func() (any, error) {
+		_, err, _ := s.verifying.Do(fmt.Sprintf("place:%p", pl), func() (any, error) {
 			bp, _ := s.verifyBufs.Get().(*[]byte)
 			if bp == nil {
 				bp = new([]byte)
@@ -520,7 +520,7 @@ func (s *Store) evict() {
 	}
 	var cands []cand
 	for k, e := range s.entries {
-		if s.pins[k] == 0 && !(k.image && s.holdsPinnedLocked(k.d)) {
+		if s.pins[k] == 0 {
 			cands = append(cands, cand{k, e})
 		}
 	}
@@ -530,6 +530,11 @@ func (s *Store) evict() {
 	for _, c := range cands {
 		if s.total <= target {
 			break
+		}
+		// After the victims before it: two dirs may hold the only two
+		// copies of a pinned chunk.
+		if c.k.image && s.holdsPinnedLocked(c.k.d) {
+			continue
 		}
 		s.total -= c.e.size
 		delete(s.entries, c.k)

@@ -85,14 +85,15 @@ func (s *Store) NewImageDir(d digest.Digest) (string, error) {
 // images dir, then counts the dir against the cap. If another writer
 // committed d first, tmp is removed and CommitImage succeeds.
 func (s *Store) CommitImage(d digest.Digest, tmp string) error {
-	_, err := s.commitImage(d, tmp)
+	_, err := s.commitImage(d, tmp, nil)
 	s.evict()
 	return err
 }
 
 // commitImage is CommitImage but for the eviction, which is the caller's;
-// ours is false if another writer's dir was kept.
-func (s *Store) commitImage(d digest.Digest, tmp string) (ours bool, err error) {
+// ours is false if another writer's dir was kept. If tmp is assembly a's
+// dir, the bytes a counted are taken off the total as the dir's are added.
+func (s *Store) commitImage(d digest.Digest, tmp string, a *Assembly) (ours bool, err error) {
 	size, err := syncTree(tmp)
 	if err != nil {
 		return false, fmt.Errorf("materialize %s: %w", d, err)
@@ -108,7 +109,7 @@ func (s *Store) commitImage(d digest.Digest, tmp string) (ours bool, err error) 
 			if size, err = treeSize(final); err != nil {
 				return false, fmt.Errorf("materialize %s: %w", d, err)
 			}
-			s.add(imageKey(d), size)
+			s.addImage(d, size, a)
 			return false, nil
 		}
 		// A dir without its marker: a crash's leftover; take its place.
@@ -123,8 +124,23 @@ func (s *Store) commitImage(d digest.Digest, tmp string) (ours bool, err error) 
 	if err := atomicfile.SyncDir(s.imagesDir()); err != nil {
 		return false, fmt.Errorf("materialize %s: %w", d, err)
 	}
-	s.add(imageKey(d), size)
+	s.addImage(d, size, a)
 	return true, nil
+}
+
+// addImage counts committed image dir d of size bytes, in place of what
+// assembly a (if not nil) counted.
+func (s *Store) addImage(d digest.Digest, size int64, a *Assembly) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if a != nil {
+		s.total -= a.bytes
+		a.bytes = 0
+	}
+	if _, ok := s.entries[imageKey(d)]; !ok {
+		s.entries[imageKey(d)] = &entry{size: size, lastUse: s.clock(), verified: true}
+		s.total += size
+	}
 }
 
 // syncTree flushes every dir under root (files are the writer's to flush)
