@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -53,7 +54,14 @@ type image struct {
 	gone  bool
 	// asm is the assembly writing the image, until it is committed.
 	asm *Assembly
+	// partial: an assembly its loads gave up (images/<hex>.partial-*),
+	// kept for the chunks it holds, never a materialized dir; d is then
+	// an id of its own (partialID).
+	partial bool
 }
+
+// partialID names the partial image dir called name in the store's maps.
+func partialID(name string) digest.Digest { return digest.FromString("partial:" + name) }
 
 // place is a chunk at an offset of a file of an image.
 type place struct {
@@ -218,7 +226,11 @@ func createSized(root, rel string, size int64) (*os.File, error) {
 }
 
 // Release ends one Assemble. The last release of an assembly that was not
-// committed discards it: its dir and the chunks in it.
+// committed (its loads failed, were canceled or unmounted) keeps the
+// chunks written into it, as a partial image dir that other loads take
+// them from (verified on first use after a restart) until it is evicted:
+// bytes once fetched are not fetched again. One that holds none is
+// removed.
 func (a *Assembly) Release() {
 	if a == nil || a.img == nil {
 		return
@@ -233,14 +245,66 @@ func (a *Assembly) Release() {
 		return
 	}
 	a.done = true
-	delete(s.assembling, a.img.d)
+	img := a.img
+	delete(s.assembling, img.d)
 	s.unwantLocked(a)
-	s.removeImageLocked(a.img)
-	s.total -= a.bytes
-	dir := a.img.dir
+	img.asm = nil
+	var kept []placement
+	for fi, fc := range a.chunks {
+		for ci, c := range fc {
+			if a.filled[fi][ci] && !a.tainted[fi] {
+				kept = append(kept, placement{d: c.Digest, file: fi, off: c.Offset, size: c.Size})
+			}
+		}
+	}
+	bytes, dir := a.bytes, img.dir
+	a.bytes = 0
 	s.mu.Unlock()
 	s.asmMu.Unlock()
+	if len(kept) > 0 {
+		if err := s.keepPartial(img, kept, bytes); err == nil {
+			return
+		}
+	}
+	s.mu.Lock()
+	s.removeImageLocked(img)
+	s.total -= bytes
+	s.mu.Unlock()
 	os.RemoveAll(dir)
+}
+
+// keepPartial makes img, an assembly given up holding the chunks kept
+// (bytes in all), a partial image dir: its chunk list written, renamed to
+// images/<hex>.partial-*, counted and evicted like a materialized dir.
+func (s *Store) keepPartial(img *image, kept []placement, bytes int64) error {
+	seen := map[digest.Digest]bool{}
+	var ps []placement
+	for _, p := range kept {
+		if !seen[p.d] {
+			seen[p.d] = true
+			ps = append(ps, p)
+		}
+	}
+	if err := atomicfile.Write(img.dir, filepath.Join(img.dir, ChunkList), encodeChunkList(img.paths, ps), 0o400); err != nil {
+		return err
+	}
+	name := strings.Replace(filepath.Base(img.dir), ".tmp-", ".partial-", 1)
+	final := filepath.Join(s.imagesDir(), name)
+	if err := os.Rename(img.dir, final); err != nil {
+		return err
+	}
+	id := partialID(name)
+	s.mu.Lock()
+	img.dir, img.d, img.partial = final, id, true
+	if s.images == nil {
+		s.images = map[digest.Digest]*image{}
+	}
+	s.images[id] = img
+	// The bytes stay counted, now as the dir's.
+	s.entries[imageKey(id)] = &entry{size: bytes, lastUse: s.clock(), verified: true}
+	s.mu.Unlock()
+	s.evict()
+	return nil
 }
 
 // unwantLocked removes a's slots from the store's wanted chunks.
@@ -629,12 +693,12 @@ func (s *Store) commitAssembly(a *Assembly) error {
 // listed in its chunk list, readable by digest, to be verified on first
 // use. A dir without a readable list is still used as an image dir.
 // Called from Open.
-func (s *Store) indexImageChunks(d digest.Digest, dir string) {
+func (s *Store) indexImageChunks(d digest.Digest, dir string, partial bool) error {
 	paths, _, ps, err := readChunkList(dir)
 	if err != nil {
-		return
+		return err
 	}
-	img := &image{d: d, dir: dir, paths: paths, fds: make([]*os.File, len(paths))}
+	img := &image{d: d, dir: dir, paths: paths, fds: make([]*os.File, len(paths)), partial: partial}
 	for _, p := range ps {
 		s.addPlaceLocked(img, p.d, p.file, p.off, p.size, false)
 	}
@@ -642,6 +706,7 @@ func (s *Store) indexImageChunks(d digest.Digest, dir string) {
 		s.images = map[digest.Digest]*image{}
 	}
 	s.images[d] = img
+	return nil
 }
 
 // Close closes the files the store holds open: those of the image dirs it
@@ -722,7 +787,6 @@ func (s *Store) dropPlace(d digest.Digest, p *place, what string) error {
 	img := p.img
 	var trash, unmark string
 	if !img.gone && s.images[img.d] == img {
-		s.removeImageLocked(img)
 		if e, ok := s.entries[imageKey(img.d)]; ok {
 			s.total -= e.size
 			delete(s.entries, imageKey(img.d))
@@ -735,6 +799,7 @@ func (s *Store) dropPlace(d digest.Digest, p *place, what string) error {
 		} else {
 			trash = s.unlinkImage(img.d)
 		}
+		s.removeImageLocked(img)
 	} else if !img.gone {
 		// In an assembly: the commit verifies the file's chunks again
 		// and fetches this one.

@@ -240,35 +240,59 @@ func TestChunkWrittenIntoEveryAssembly(t *testing.T) {
 	}
 }
 
-// TestReleasedAssemblyIsRemoved releases an assembly that was never
-// committed (its mount went away): its dir, its chunks and the bytes it
-// counted are gone.
-func TestReleasedAssemblyIsRemoved(t *testing.T) {
+// TestReleasedAssemblyKeepsItsChunks releases an assembly that was never
+// committed (its mount went away half loaded): the chunk written into it
+// stays, in a partial image dir, for later loads, also after a restart
+// (verified on first use), where a new assembly of the snapshot takes it
+// from there instead of fetching it; the partial dir is never offered as
+// the snapshot's materialized dir. An assembly that holds nothing is
+// removed.
+func TestReleasedAssemblyKeepsItsChunks(t *testing.T) {
 	root := t.TempDir()
 	s, _ := Open(root, 0)
-	defer s.Close()
-	c := randomBytes(9, 10000)
-	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c}})
+	c, other := randomBytes(9, 10000), randomBytes(16, 8192)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c, other}})
 	asm, _ := s.Assemble(ts.snap, ts.chunks)
 	again, _ := s.Assemble(ts.snap, ts.chunks) // a second load of it joins
-	ts.put(t, s)
+	d := digest.FromBytes(c)
+	s.PutVerified(d, c) // only the first chunk arrives
 	if st := s.Stats(); st.Bytes != int64(len(c)) || st.Chunks != 1 {
 		t.Fatalf("while assembling: %+v", st)
 	}
 	asm.Release()
-	if !s.Has(digest.FromBytes(c)) {
-		t.Fatal("released by one of two loads: chunk gone")
-	}
 	again.Release()
-	if s.Has(digest.FromBytes(c)) {
-		t.Error("chunk of a discarded assembly still offered")
+	if got, err := s.Get(d, nil, false); err != nil || !bytes.Equal(got, c) {
+		t.Fatalf("chunk of a released assembly: %v", err)
 	}
-	if st := s.Stats(); st.Bytes != 0 || st.Chunks != 0 {
-		t.Errorf("after the discard: %+v", st)
+	if _, ok := s.Image(ts.snap.Descriptor.Digest); ok {
+		t.Fatal("a half-loaded snapshot offered as materialized")
 	}
-	left, _ := filepath.Glob(filepath.Join(root, "images", "*"))
+	if st := s.Stats(); st.Bytes != int64(len(c)) || st.Partial != 1 || st.Images != 0 {
+		t.Errorf("after the release: %+v", st)
+	}
+	s.Close()
+
+	s2, _ := Open(root, 0)
+	defer s2.Close()
+	if !s2.Has(d) {
+		t.Fatal("after a restart, the chunk of the partial dir is not found")
+	}
+	asm2, _ := s2.Assemble(ts.snap, ts.chunks)
+	defer asm2.Release()
+	if !s2.Localize(d) {
+		t.Fatal("a new assembly could not take the chunk from the partial dir")
+	}
+	s2.PutVerified(digest.FromBytes(other), other)
+	if err := s2.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+
+	empty := newTestSnapshot("b", map[string][][]byte{"pages.img": {randomBytes(17, 4096)}})
+	asm3, _ := s2.Assemble(empty.snap, empty.chunks)
+	asm3.Release()
+	left, _ := filepath.Glob(filepath.Join(root, "images", digest.FromString("b").Encoded()+"*"))
 	if len(left) != 0 {
-		t.Errorf("left in images/: %v", left)
+		t.Errorf("an assembly that held nothing left %v", left)
 	}
 }
 
@@ -403,5 +427,27 @@ func TestTwoDirsHoldingAPinnedChunk(t *testing.T) {
 	s.evict()
 	if !s.Has(d) {
 		t.Fatal("both dirs holding a pinned chunk were evicted")
+	}
+}
+
+// TestPartialDirEvicted: a partial image dir counts against the cap and is
+// removed from disk when evicted.
+func TestPartialDirEvicted(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 1)
+	defer s.Close()
+	c := randomBytes(18, 20000)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c, randomBytes(19, 4096)}})
+	asm, _ := s.Assemble(ts.snap, ts.chunks)
+	s.PutVerified(digest.FromBytes(c), c)
+	asm.Release()
+	if s.Has(digest.FromBytes(c)) {
+		t.Error("over the cap, the partial dir's chunk is still offered")
+	}
+	if left, _ := filepath.Glob(filepath.Join(root, "images", "*")); len(left) != 0 {
+		t.Errorf("evicted, still on disk: %v", left)
+	}
+	if st := s.Stats(); st.Bytes != 0 || st.Partial != 0 {
+		t.Errorf("after the eviction: %+v", st)
 	}
 }

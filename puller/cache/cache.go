@@ -94,8 +94,10 @@ type entry struct {
 // Stats describe the cache.
 type Stats struct {
 	Chunks int `json:"chunks"`
-	// Images counts materialized image dirs.
-	Images int `json:"images"`
+	// Images counts materialized image dirs; Partial the image dirs kept
+	// from loads that did not finish, for their chunks.
+	Images  int `json:"images"`
+	Partial int `json:"partial"`
 	// Bytes is what chunks and image dirs take together.
 	Bytes     int64 `json:"bytes"`
 	CapBytes  int64 `json:"capBytes"`
@@ -462,10 +464,13 @@ func (s *Store) Stats() Stats {
 	defer s.mu.Unlock()
 	st := Stats{Bytes: s.total, CapBytes: s.capBytes, Pinned: len(s.pins), Evictions: s.evictions}
 	for k := range s.entries {
-		if k.image {
-			st.Images++
-		} else {
+		switch {
+		case !k.image:
 			st.Chunks++
+		case s.images[k.d] != nil && s.images[k.d].partial:
+			st.Partial++
+		default:
+			st.Images++
 		}
 	}
 	for d := range s.placed {
@@ -527,6 +532,9 @@ func (s *Store) evict() {
 	sort.Slice(cands, func(i, j int) bool { return cands[i].e.lastUse.Before(cands[j].e.lastUse) })
 	target := s.capBytes - s.capBytes/10
 	var victims []key
+	// Image dirs leave their name under the lock: a mount pinning one
+	// right after must not find it half removed.
+	var trash []string
 	for _, c := range cands {
 		if s.total <= target {
 			break
@@ -540,17 +548,12 @@ func (s *Store) evict() {
 		delete(s.entries, c.k)
 		victims = append(victims, c.k)
 		s.evictions++
-		if img := s.images[c.k.d]; c.k.image && img != nil {
-			s.removeImageLocked(img)
-		}
-	}
-	// Image dirs leave their name under the lock: a mount pinning one
-	// right after must not find it half removed.
-	var trash []string
-	for _, k := range victims {
-		if k.image {
-			if t := s.unlinkImage(k.d); t != "" {
+		if c.k.image {
+			if t := s.unlinkImage(c.k.d); t != "" {
 				trash = append(trash, t)
+			}
+			if img := s.images[c.k.d]; img != nil {
+				s.removeImageLocked(img)
 			}
 		}
 	}

@@ -185,6 +185,14 @@ func (s *Store) indexImages() error {
 	for _, de := range ents {
 		name := de.Name()
 		p := filepath.Join(dir, name)
+		if hx, _, ok := strings.Cut(name, ".partial-"); ok && digest.NewDigestFromEncoded(digest.SHA256, hx).Validate() == nil {
+			if err := s.indexPartial(name, p); err != nil {
+				if err := os.RemoveAll(p); err != nil {
+					return err
+				}
+			}
+			continue
+		}
 		hx, _, tmp := strings.Cut(name, ".tmp-")
 		if digest.NewDigestFromEncoded(digest.SHA256, hx).Validate() != nil {
 			continue // not ours
@@ -209,8 +217,28 @@ func (s *Store) indexImages() error {
 		d := digest.NewDigestFromEncoded(digest.SHA256, hx)
 		s.entries[imageKey(d)] = &entry{size: size, lastUse: marker.ModTime(), verified: true}
 		s.total += size
-		s.indexImageChunks(d, p)
+		s.indexImageChunks(d, p, false)
 	}
+	return nil
+}
+
+// indexPartial indexes the partial image dir name at p (Assembly.Release)
+// for the chunks its list names, or fails if it cannot be used.
+func (s *Store) indexPartial(name, p string) error {
+	info, err := os.Lstat(p)
+	if err != nil || !info.IsDir() {
+		return fmt.Errorf("partial image dir %s: not a dir", p)
+	}
+	id := partialID(name)
+	if err := s.indexImageChunks(id, p, true); err != nil {
+		return err
+	}
+	size, err := treeSize(p)
+	if err != nil {
+		return err
+	}
+	s.entries[imageKey(id)] = &entry{size: size, lastUse: info.ModTime(), verified: true}
+	s.total += size
 	return nil
 }
 
@@ -235,6 +263,9 @@ func treeSize(root string) (int64, error) {
 // with s.mu held.
 func (s *Store) unlinkImage(d digest.Digest) string {
 	final := s.ImagePath(d)
+	if img := s.images[d]; img != nil && img.partial {
+		final = img.dir
+	}
 	trash := fmt.Sprintf("%s.tmp-evicted-%d", final, time.Now().UnixNano())
 	if err := os.Rename(final, trash); err != nil {
 		return ""
