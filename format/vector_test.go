@@ -49,9 +49,9 @@ type vector struct {
 	Tables map[string][]Chunk `json:"tables"`
 }
 
-// TestVector packs the SPEC.md test vector and compares the index digest and
-// every chunk table with testdata/vector.json, which SPEC.md quotes.
-func TestVector(t *testing.T) {
+// packVector packs the test vector with the defaults into a memory store.
+func packVector(t *testing.T) (*memory.Store, ocispec.Descriptor, *Snapshot) {
+	t.Helper()
 	ctx := context.Background()
 	dir := t.TempDir()
 	writeVectorDir(t, dir)
@@ -64,6 +64,14 @@ func TestVector(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return store, desc, snap
+}
+
+// TestVector packs the SPEC.md test vector and compares the index digest and
+// every chunk table with testdata/vector.json, which SPEC.md quotes.
+func TestVector(t *testing.T) {
+	ctx := context.Background()
+	store, desc, snap := packVector(t)
 	got := vector{Index: desc.Digest.String(), Tables: map[string][]Chunk{}}
 	for i := range snap.Files {
 		pt, err := LoadPart(ctx, store, &snap.Files[i], 0)
@@ -115,17 +123,7 @@ func TestVector(t *testing.T) {
 // these reproduces the member order, escaping and number forms.
 func TestJSONAsWritten(t *testing.T) {
 	ctx := context.Background()
-	dir := t.TempDir()
-	writeVectorDir(t, dir)
-	store := memory.New()
-	desc, _, err := Pack(ctx, dir, store, PackOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	snap, err := LoadSnapshot(ctx, store, desc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	store, desc, snap := packVector(t)
 	pt, err := LoadPart(ctx, store, snap.File(PagesFile), 0)
 	if err != nil {
 		t.Fatal(err)

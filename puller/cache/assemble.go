@@ -517,15 +517,8 @@ func (a *Assembly) hashBack(fh *fileHash, c format.Chunk, fi int) bool {
 	f := a.img.fds[fi]
 	s.mu.Unlock()
 	defer s.endImageUse(a.img)
-	bp, _ := s.verifyBufs.Get().(*[]byte)
-	if bp == nil {
-		bp = new([]byte)
-	}
+	bp, buf := s.buffer(c.Size)
 	defer s.verifyBufs.Put(bp)
-	if int64(cap(*bp)) < c.Size {
-		*bp = make([]byte, c.Size)
-	}
-	buf := (*bp)[:c.Size]
 	if n, _ := f.ReadAt(buf, c.Offset); n != len(buf) {
 		return false
 	}

@@ -276,15 +276,9 @@ func (s *Store) readAtPlaceOnce(d digest.Digest, pl *place, f *os.File, p []byte
 	s.mu.Unlock()
 	if !verified {
 		_, err, _ := s.verifying.Do(fmt.Sprintf("place:%p", pl), func() (any, error) {
-			bp, _ := s.verifyBufs.Get().(*[]byte)
-			if bp == nil {
-				bp = new([]byte)
-			}
+			bp, buf := s.buffer(pl.size)
 			defer s.verifyBufs.Put(bp)
-			b, err := s.readPlace(d, pl, f, *bp, false)
-			if cap(b) > cap(*bp) {
-				*bp = b
-			}
+			_, err := s.readPlace(d, pl, f, buf, false)
 			return nil, err
 		})
 		if err != nil {
@@ -301,6 +295,19 @@ func (s *Store) readAtPlaceOnce(d digest.Digest, pl *place, f *os.File, p []byte
 	return n, nil
 }
 
+// buffer returns a buffer of n bytes from the store's pool, and its
+// pointer to put back (verifyBufs.Put) once done with it.
+func (s *Store) buffer(n int64) (*[]byte, []byte) {
+	bp, _ := s.verifyBufs.Get().(*[]byte)
+	if bp == nil {
+		bp = new([]byte)
+	}
+	if int64(cap(*bp)) < n {
+		*bp = make([]byte, n)
+	}
+	return bp, (*bp)[:n]
+}
+
 // verifyFile reads chunk d's whole file and checks its sha256, once however
 // many readers of the chunk arrive together; a bad chunk is dropped.
 func (s *Store) verifyFile(d digest.Digest, e *entry, f *os.File) error {
@@ -308,15 +315,8 @@ func (s *Store) verifyFile(d digest.Digest, e *entry, f *os.File) error {
 		if s.isVerified(e) {
 			return nil, nil
 		}
-		bp, _ := s.verifyBufs.Get().(*[]byte)
-		if bp == nil {
-			bp = new([]byte)
-		}
+		bp, buf := s.buffer(e.size)
 		defer s.verifyBufs.Put(bp)
-		if int64(cap(*bp)) < e.size {
-			*bp = make([]byte, e.size)
-		}
-		buf := (*bp)[:e.size]
 		if _, err := f.ReadAt(buf, 0); err != nil {
 			if errors.Is(err, io.EOF) {
 				return nil, s.drop(d, e, "short")
