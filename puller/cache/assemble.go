@@ -124,6 +124,8 @@ type Assembly struct {
 	done    bool
 	// commitMu makes WriteImages of one assembly take turns.
 	commitMu sync.Mutex
+	// kick wakes the hasher goroutine; stop, closed once done, ends it.
+	kick, stop chan struct{}
 	// digests are the files' sha256s (from the snapshot); hashes hash
 	// each file in order as its chunks land, so that the commit need not
 	// read the files back.
@@ -176,6 +178,7 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files))}
 	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), tainted: make([]bool, len(chunks)), hashes: make([]fileHash, len(chunks))}
 	img.asm = a
+	a.kick, a.stop = make(chan struct{}, 1), make(chan struct{})
 	for i, f := range snap.Files {
 		img.paths = append(img.paths, f.Path)
 		a.digests = append(a.digests, f.Digest)
@@ -195,6 +198,7 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 		s.wanted = map[digest.Digest][]slot{}
 	}
 	s.assembling[d] = a
+	go a.hasher()
 	for fi, fc := range chunks {
 		for ci, c := range fc {
 			if c.Encoding != format.EncodingZero {
@@ -244,7 +248,7 @@ func (a *Assembly) Release() {
 		s.asmMu.Unlock()
 		return
 	}
-	a.done = true
+	a.finishLocked()
 	img := a.img
 	delete(s.assembling, img.d)
 	s.unwantLocked(a)
@@ -457,51 +461,100 @@ func (s *Store) place(d digest.Digest, data []byte) (bool, error) {
 // zeros is what zero chunks hash as, a piece at a time.
 var zeros = make([]byte, 1<<20)
 
-// advance hashes file fi's chunks in order as far as they are in place:
-// chunk ci's bytes are data (just written), others filled earlier are
-// read back. Unless wait, it leaves the work to a caller already at it,
-// who goes on for it. It returns whether the whole file is hashed.
-func (a *Assembly) advance(fi, ci int, data []byte, wait bool) bool {
+// inlineZeros bounds the zeros a fetch writer hashes for a file before
+// the chunk it wrote; longer runs are left to the hasher.
+const inlineZeros = 1 << 20
+
+// advance hashes file fi's chunks in order as far as they are in place.
+// From a fetch writer (ci the chunk it just wrote, data its bytes,
+// readBack false) it hashes only that chunk, and short runs of zero
+// chunks before it, if the file's hash has got that far, and never waits:
+// what needs reading back is left to the assembly's hasher goroutine,
+// kicked, so that a writer goes back to its queue (page faults wait
+// behind it). With readBack (the hasher, the commit) it waits its turn and
+// reads back the chunks written earlier. It returns whether the whole file
+// is hashed.
+func (a *Assembly) advance(fi, ci int, data []byte, readBack bool) bool {
 	fh := &a.hashes[fi]
-	for {
-		if wait {
-			fh.mu.Lock()
-		} else if !fh.mu.TryLock() {
-			return false
-		}
-		stop, ok := a.advanceLocked(fh, fi, ci, data)
-		fh.mu.Unlock()
-		// A writer that found this one at work may have filled chunk stop
-		// meanwhile, leaving it to this one.
-		if stop < 0 || !ok || wait || !a.isFilled(fi, stop) {
-			return stop < 0
-		}
+	if readBack {
+		fh.mu.Lock()
+	} else if !fh.mu.TryLock() {
+		a.kickHasher()
+		return false
 	}
+	done, leave := a.advanceLocked(fh, fi, ci, data, readBack)
+	fh.mu.Unlock()
+	if leave {
+		a.kickHasher()
+	}
+	return done
 }
 
-// advanceLocked is advance with fh.mu held: it returns the chunk it
-// stopped at (-1: the whole file is hashed), and false if it stopped on a
-// chunk that could not be read back.
-func (a *Assembly) advanceLocked(fh *fileHash, fi, ci int, data []byte) (stop int, ok bool) {
+// advanceLocked is advance with fh.mu held. It returns whether the whole
+// file is hashed, and, without readBack, whether it stopped at work for
+// the hasher: a chunk written earlier, or a long run of zero chunks.
+func (a *Assembly) advanceLocked(fh *fileHash, fi, ci int, data []byte, readBack bool) (done, leave bool) {
 	fc := a.chunks[fi]
+	var zeroRun int64
 	for ; fh.next < len(fc); fh.next++ {
 		c := fc[fh.next]
 		switch {
 		case c.Encoding == format.EncodingZero:
+			if !readBack {
+				if zeroRun += c.Size; zeroRun > inlineZeros {
+					return false, true
+				}
+			}
 			for n := c.Size; n > 0; n -= int64(len(zeros)) {
 				fh.h.Write(zeros[:min(n, int64(len(zeros)))])
 			}
 		case fh.next == ci:
 			fh.h.Write(data)
 		case a.isFilled(fi, fh.next):
+			if !readBack {
+				return false, true
+			}
 			if !a.hashBack(fh, c, fi) {
-				return fh.next, false
+				return false, false
 			}
 		default:
-			return fh.next, true
+			return false, false
 		}
 	}
-	return -1, true
+	return true, false
+}
+
+// kickHasher wakes the assembly's hasher goroutine.
+func (a *Assembly) kickHasher() {
+	select {
+	case a.kick <- struct{}{}:
+	default:
+	}
+}
+
+// hasher hashes the assembly's files as far as they are in place each
+// time a writer leaves it work, until the assembly is committed or
+// discarded.
+func (a *Assembly) hasher() {
+	for {
+		select {
+		case <-a.stop:
+			return
+		case <-a.kick:
+		}
+		for fi := range a.chunks {
+			a.advance(fi, -1, nil, true)
+		}
+	}
+}
+
+// finishLocked marks the assembly committed or discarded and stops its
+// hasher. Called with s.mu held.
+func (a *Assembly) finishLocked() {
+	if !a.done {
+		a.done = true
+		close(a.stop)
+	}
 }
 
 // hashBack hashes chunk c of file fi, read back from the file it was
@@ -661,7 +714,7 @@ func (s *Store) commitAssembly(a *Assembly) error {
 	defer s.asmMu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	a.done = true
+	a.finishLocked()
 	a.img.asm = nil
 	delete(s.assembling, d)
 	s.unwantLocked(a)
