@@ -540,10 +540,12 @@ func TestParseTableRefusesBadTables(t *testing.T) {
 	// Keys are exact and unique (SPEC.md section 8): Go would take
 	// "Size" for "size" and the last of two "size"s; another reader not.
 	for name, data := range map[string][]byte{
-		"key in another case": bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"Size":30`), 1),
-		"key twice":           bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"size":30,"size":30`), 1),
-		"chunks null":         bytes.Replace(enc(good()), []byte(`"chunks":[`), []byte(`"chunks":null,"x":[`), 1),
-		"non-UTF-8 path":      bytes.Replace(enc(good()), []byte(`"pages.img"`), []byte("\"pages\xff.img\""), 1),
+		"key in another case":   bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"Size":30`), 1),
+		"key twice":             bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"size":30,"size":30`), 1),
+		"key folded by Unicode": bytes.Replace(enc(good()), []byte(`"size":30`), []byte(`"size":30,"\u017fize":30`), 1),
+		"lone surrogate":        bytes.Replace(enc(good()), []byte(`"pages.img"`), []byte(`"pages\ud800.img"`), 1),
+		"chunks null":           bytes.Replace(enc(good()), []byte(`"chunks":[`), []byte(`"chunks":null,"x":[`), 1),
+		"non-UTF-8 path":        bytes.Replace(enc(good()), []byte(`"pages.img"`), []byte("\"pages\xff.img\""), 1),
 	} {
 		if _, err := ParseTable(data); !errors.Is(err, ErrInvalid) {
 			t.Errorf("%s: got %v, want ErrInvalid", name, err)
@@ -744,6 +746,7 @@ func TestCreatedFromTimestamp(t *testing.T) {
 		{"2026-11-30 04:59:22.5 +0000 UTC", "2026-11-30T04:59:22.5Z"},
 		{"2026-11-30 04:59:22 +0000 UTC", "2026-11-30T04:59:22Z"},
 		{"2026-11-30 05:59:22.1 +0100 CET", "2026-11-30T04:59:22.1Z"},
+		{"2026-11-30 10:44:22 +0545 +0545", "2026-11-30T04:59:22Z"},
 		{"2026-11-30 04:59:22.364981031 +0000 UTC m=+12.000000001", "2026-11-30T04:59:22.364981031Z"},
 		{"2026-11-30T00:00:00Z", "2026-11-30T00:00:00Z"},
 		{"2026-11-30T01:00:00.250+01:00", "2026-11-30T00:00:00.25Z"},

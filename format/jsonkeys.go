@@ -41,6 +41,9 @@ func CheckKeys(data []byte) error {
 	if !utf8.Valid(data) {
 		return fmt.Errorf("not UTF-8")
 	}
+	if err := checkSurrogates(data); err != nil {
+		return err
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	if err := checkValue(dec, false); err != nil {
@@ -72,6 +75,11 @@ func checkValue(dec *json.Decoder, free bool) error {
 				return fmt.Errorf("key %q twice in one object", k)
 			}
 			seen[k] = true
+			if !free && !isASCII(k) {
+				// encoding/json folds case the Unicode way: "ſize"
+				// (U+017F) would be read as "size".
+				return fmt.Errorf("key %q: keys outside annotations are ASCII", k)
+			}
 			if want, ok := knownKeys[strings.ToLower(k)]; ok && !free && want != k {
 				return fmt.Errorf("key %q: keys are case-sensitive, want %q", k, want)
 			}
@@ -91,4 +99,77 @@ func checkValue(dec *json.Decoder, free bool) error {
 		return err
 	}
 	return nil
+}
+
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= 0x80 {
+			return false
+		}
+	}
+	return true
+}
+
+// checkSurrogates refuses a \u escape of a lone UTF-16 surrogate in a
+// JSON string: encoding/json reads it as U+FFFD, other readers keep it or
+// fail. data is UTF-8 JSON; only string contents are looked at.
+func checkSurrogates(data []byte) error {
+	inString := false
+	for i := 0; i < len(data); i++ {
+		c := data[i]
+		if !inString {
+			if c == '"' {
+				inString = true
+			}
+			continue
+		}
+		switch c {
+		case '"':
+			inString = false
+		case '\\':
+			if i+1 < len(data) && data[i+1] == 'u' {
+				r, ok := hex4(data, i+2)
+				switch {
+				case !ok:
+				case r >= 0xD800 && r <= 0xDBFF:
+					lo, ok := -1, false
+					if i+7 < len(data) && data[i+6] == '\\' && data[i+7] == 'u' {
+						var v int
+						v, ok = hex4(data, i+8)
+						lo = v
+					}
+					if !ok || lo < 0xDC00 || lo > 0xDFFF {
+						return fmt.Errorf("a lone UTF-16 surrogate \\u%04x in a string", r)
+					}
+					i += 11
+					continue
+				case r >= 0xDC00 && r <= 0xDFFF:
+					return fmt.Errorf("a lone UTF-16 surrogate \\u%04x in a string", r)
+				}
+			}
+			i++ // the escaped character
+		}
+	}
+	return nil
+}
+
+// hex4 parses the 4 hex digits at data[i:].
+func hex4(data []byte, i int) (int, bool) {
+	if i+4 > len(data) {
+		return 0, false
+	}
+	v := 0
+	for _, c := range data[i : i+4] {
+		switch {
+		case c >= '0' && c <= '9':
+			v = v<<4 | int(c-'0')
+		case c >= 'a' && c <= 'f':
+			v = v<<4 | int(c-'a'+10)
+		case c >= 'A' && c <= 'F':
+			v = v<<4 | int(c-'A'+10)
+		default:
+			return 0, false
+		}
+	}
+	return v, true
 }

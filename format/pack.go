@@ -474,14 +474,18 @@ func snapshotAnnotations(md map[string]string, created time.Time) map[string]str
 
 // ParseRunscTimestamp parses the _timestamp of a checkpoint.img header
 // (SPEC.md section 3): Go's time.Time.String form, which runsc writes
-// ("2006-01-02 15:04:05.999999999 -0700 MST", a monotonic clock suffix
-// " m=±..." ignored), or RFC 3339 with or without a fraction.
+// ("2006-01-02 15:04:05.999999999 -0700 ZONE", any zone name, a monotonic
+// clock suffix " m=±..." ignored), or RFC 3339 with or without a fraction.
 func ParseRunscTimestamp(s string) (time.Time, error) {
 	if i := strings.Index(s, " m="); i >= 0 {
 		s = s[:i]
 	}
-	if t, err := time.Parse("2006-01-02 15:04:05.999999999 -0700 MST", s); err == nil {
-		return t, nil
+	// Go's form ends in a zone name that can be anything ("UTC", "CET",
+	// "+0545"): the offset before it decides the time.
+	if i := strings.LastIndexByte(s, ' '); i > 0 {
+		if t, err := time.Parse("2006-01-02 15:04:05.999999999 -0700", s[:i]); err == nil {
+			return t, nil
+		}
 	}
 	t, err := time.Parse(time.RFC3339Nano, s)
 	if err != nil {

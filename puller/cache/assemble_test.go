@@ -451,3 +451,22 @@ func TestPartialDirEvicted(t *testing.T) {
 		t.Errorf("after the eviction: %+v", st)
 	}
 }
+
+// TestEvictedPartialLeftoverRemoved: a partial dir caught by a crash
+// between its eviction's rename and its removal is removed at start, not
+// taken for a partial dir.
+func TestEvictedPartialLeftoverRemoved(t *testing.T) {
+	root := t.TempDir()
+	s, _ := Open(root, 0)
+	s.Close()
+	left := filepath.Join(root, "images", digest.FromString("a").Encoded()+".partial-1.tmp-evicted-2")
+	os.MkdirAll(left, 0o700)
+	s2, err := Open(root, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	if _, err := os.Stat(left); !os.IsNotExist(err) {
+		t.Errorf("leftover of an evicted partial dir kept: %v", err)
+	}
+}

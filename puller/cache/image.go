@@ -185,7 +185,12 @@ func (s *Store) indexImages() error {
 	for _, de := range ents {
 		name := de.Name()
 		p := filepath.Join(dir, name)
-		if hx, _, ok := strings.Cut(name, ".partial-"); ok && digest.NewDigestFromEncoded(digest.SHA256, hx).Validate() == nil {
+		// <hex>, <hex>.tmp-* (written, evicted: removed), <hex>.partial-*.
+		hx, rest, dotted := strings.Cut(name, ".")
+		if digest.NewDigestFromEncoded(digest.SHA256, hx).Validate() != nil {
+			continue // not ours
+		}
+		if dotted && strings.HasPrefix(rest, "partial-") && !strings.Contains(rest, ".tmp-") && de.IsDir() {
 			if err := s.indexPartial(name, p); err != nil {
 				if err := os.RemoveAll(p); err != nil {
 					return err
@@ -193,11 +198,7 @@ func (s *Store) indexImages() error {
 			}
 			continue
 		}
-		hx, _, tmp := strings.Cut(name, ".tmp-")
-		if digest.NewDigestFromEncoded(digest.SHA256, hx).Validate() != nil {
-			continue // not ours
-		}
-		if tmp || !de.IsDir() {
+		if dotted || !de.IsDir() {
 			if err := os.RemoveAll(p); err != nil {
 				return err
 			}
