@@ -306,6 +306,7 @@ var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c
 // first, the rest in file and offset order, and waits for them.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
 	var pending []*fetch.Pending
+	var held []format.Chunk
 	for _, c := range prefetchOrder(l.snap, l.chunks, files, l.src.Prefetch) {
 		if c.Encoding != format.EncodingZero && !l.p.cache.Has(c.Digest) {
 			if ps := l.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
@@ -314,11 +315,18 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 			}
 		}
 		if c.Encoding != format.EncodingZero {
-			// Held in another image dir: copied into this one now, so
-			// that the commit finds every file complete in place.
-			l.p.cache.Localize(c.Digest)
+			held = append(held, c)
 		}
 		l.local.Add(c.Size)
+	}
+	// Chunks held in another image dir (or a chunk file) are copied into
+	// this one while the fetches queued above run, so that the commit
+	// finds every file complete in place.
+	for _, c := range held {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		l.p.cache.Localize(c.Digest)
 	}
 	for _, pd := range pending {
 		if err := pd.Wait(ctx); err != nil {
