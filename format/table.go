@@ -1,7 +1,6 @@
 package format
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"io/fs"
@@ -113,21 +112,24 @@ func (t *Table) Marshal() ([]byte, error) {
 	return json.Marshal(t)
 }
 
+// decodeTable decodes chunk table data (either version) into v: at most
+// MaxTableSize bytes, one JSON object with exact, unique keys
+// (strictUnmarshal).
+func decodeTable(data []byte, v any) error {
+	if len(data) > MaxTableSize {
+		return fmt.Errorf("chunk table of %d bytes: %w (limit %d)", len(data), ErrTooLarge, MaxTableSize)
+	}
+	if err := strictUnmarshal(data, v); err != nil {
+		return fmt.Errorf("decode chunk table: %v: %w", err, ErrInvalid)
+	}
+	return nil
+}
+
 // ParseTable decodes and validates a chunk table.
 func ParseTable(data []byte) (*Table, error) {
-	if len(data) > MaxTableSize {
-		return nil, fmt.Errorf("chunk table of %d bytes: %w (limit %d)", len(data), ErrTooLarge, MaxTableSize)
-	}
-	if err := CheckKeys(data); err != nil {
-		return nil, fmt.Errorf("decode chunk table: %v: %w", err, ErrInvalid)
-	}
 	var t Table
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&t); err != nil {
-		return nil, fmt.Errorf("decode chunk table: %v: %w", err, ErrInvalid)
-	}
-	if dec.More() {
-		return nil, fmt.Errorf("chunk table has data after its JSON object: %w", ErrInvalid)
+	if err := decodeTable(data, &t); err != nil {
+		return nil, err
 	}
 	if t.Chunks == nil {
 		return nil, fmt.Errorf("chunk table of %q has no chunks array (an empty part has \"chunks\":[]): %w", t.Path, ErrInvalid)

@@ -1,7 +1,6 @@
 package format
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 
@@ -84,19 +83,9 @@ func (t *Table) marshalV2() ([]byte, error) {
 // ParseTableV2 decodes and validates a v2 chunk table. The chunks it
 // returns carry their offsets and their packs' digests and sizes.
 func ParseTableV2(data []byte) (*Table, error) {
-	if len(data) > MaxTableSize {
-		return nil, fmt.Errorf("chunk table of %d bytes: %w (limit %d)", len(data), ErrTooLarge, MaxTableSize)
-	}
-	if err := CheckKeys(data); err != nil {
-		return nil, fmt.Errorf("decode chunk table: %v: %w", err, ErrInvalid)
-	}
 	var w tableV2
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&w); err != nil {
-		return nil, fmt.Errorf("decode chunk table: %v: %w", err, ErrInvalid)
-	}
-	if dec.More() {
-		return nil, fmt.Errorf("chunk table has data after its JSON object: %w", ErrInvalid)
+	if err := decodeTable(data, &w); err != nil {
+		return nil, err
 	}
 	t := &Table{Path: w.Path, Size: w.Size, Mode: w.Mode, Digest: w.Digest, Part: w.Part, Parts: w.Parts,
 		Offset: w.Offset, Length: w.Length, Chunker: w.Chunker, Version: V2}
