@@ -12,6 +12,7 @@ import (
 
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/sentry/memmap"
 	"gvisor.dev/gvisor/pkg/sentry/state/stateio"
@@ -69,7 +70,7 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 	ctx, cancel := context.WithCancel(s.ctx)
 	r := &reader{s: s, path: path, size: size, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
 	if path == "pages.img" {
-		r.classify = &gofer.Classifier{}
+		r.classify = &profile.Classifier{}
 	}
 	s.log.Info("open", "path", path, "size", size)
 	return r, nil
@@ -99,7 +100,7 @@ type reader struct {
 	s        *server
 	path     string
 	size     int64
-	classify *gofer.Classifier
+	classify *profile.Classifier
 
 	ctx    context.Context
 	cancel context.CancelFunc

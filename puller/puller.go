@@ -31,6 +31,7 @@ import (
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/imagefs"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"github.com/opencontainers/go-digest"
@@ -66,6 +67,9 @@ type Options struct {
 	// the gofer's file API (file, offset, length, start, duration), to see
 	// where a restore waits.
 	ReadLog io.Writer
+	// RecordFor bounds how long a mount records its working set after the
+	// sandbox's first read of pages.img (default profile.DefaultRecordFor).
+	RecordFor time.Duration
 }
 
 // Puller mounts snapshots on a node.
@@ -125,18 +129,18 @@ func (p *Puller) Cache() *cache.Store { return p.cache }
 type Source struct {
 	Index     ocispec.Descriptor
 	Endpoints []fetch.Endpoint
-	// Prefetch, if set, lists the byte ranges to load first, in order (a
-	// prefetch profile: what an app touched first in an earlier restore);
-	// everything else follows in ascending offset order.
-	Prefetch []Range
+	// Profile, if set, finds the snapshot's working-set profile while its
+	// chunk tables load (profile.Auto: its referrers at the primary). The
+	// chunks of the profile's ranges are fetched first, in its order, at
+	// fetch.Profile, from before the mount is ready; everything else
+	// follows in ascending offset order. A profile is a hint: one that
+	// cannot be found or used is logged and the load goes on without.
+	Profile profile.Finder
 }
 
-// Range is a byte range of a file of the snapshot.
-type Range struct {
-	Path   string `json:"path"`
-	Offset int64  `json:"offset"`
-	Length int64  `json:"length"`
-}
+// profileLookupTimeout bounds how long a load waits for its profile
+// lookup once its tables are in.
+const profileLookupTimeout = 10 * time.Second
 
 // FUSEAvailable reports whether this node can mount FUSE filesystems.
 func FUSEAvailable() bool {
@@ -180,12 +184,14 @@ type Progress struct {
 	Loaded        bool    `json:"loaded"`
 	Err           string  `json:"error,omitempty"`
 	FetchedChunks int     `json:"fetchedChunks"`
+	// Profile is the working-set profile the load fetched first, if any.
+	Profile *profile.Info `json:"profile,omitempty"`
 }
 
 // Load makes the snapshot local on this node without presenting it (no
 // mount, no FUSE): it pins the snapshot's chunks in the node cache, fetches
-// every chunk the cache lacks (verified, in the order of src.Prefetch, then
-// by offset) straight into the snapshot's image dir being assembled, commits
+// every chunk the cache lacks (verified, the ranges of src.Profile's
+// profile first, then by offset) straight into the snapshot's image dir being assembled, commits
 // that as its materialized dir, and releases the pins, so that a later
 // Mount bind-mounts the dir and needs no FUSE, and other snapshots find its
 // chunks, until it is evicted. A snapshot whose materialized dir the cache
@@ -237,6 +243,10 @@ type load struct {
 	// asm is the snapshot's image dir the chunks are written into as they
 	// come (cache.Assemble), committed as its materialized dir at the end.
 	asm *cache.Assembly
+	// profile is the ranges of the profile fetched first, and which it
+	// is (prepare).
+	profile     []profile.Range
+	profileInfo *profile.Info
 
 	mu      sync.Mutex
 	localAt time.Duration
@@ -258,6 +268,7 @@ func (p *Puller) newLoad(ctx context.Context, src Source, start time.Time) (*loa
 // prepare loads every chunk table, pins every stored chunk in the node
 // cache and starts the fetch scheduler.
 func (l *load) prepare(ctx context.Context) error {
+	found := l.findProfile(ctx)
 	chunks, err := format.LoadChunks(ctx, Failover(l.src.Endpoints), l.snap)
 	if err != nil {
 		return err
@@ -278,7 +289,98 @@ func (l *load) prepare(ctx context.Context) error {
 	}
 	o := l.p.opts
 	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})
+	l.useProfile(ctx, found)
 	return nil
+}
+
+// foundProfile is what a profile lookup found.
+type foundProfile struct {
+	p        *profile.Profile
+	info     profile.Info
+	warnings []string
+	err      error
+}
+
+// findProfile starts looking up the load's profile (Source.Profile), to
+// run while the chunk tables load; nil if there is nothing to look up.
+func (l *load) findProfile(ctx context.Context) <-chan foundProfile {
+	if l.src.Profile == nil {
+		return nil
+	}
+	c := make(chan foundProfile, 1)
+	go func() {
+		p, info, warnings, err := l.src.Profile.Find(ctx, l.src.Index)
+		c <- foundProfile{p, info, warnings, err}
+	}()
+	return c
+}
+
+// useProfile waits (a bounded time) for the profile lookup and queues the
+// chunks of the profile's ranges at fetch.Profile, in its order. A
+// profile that is missing, late or unusable is logged, never an error.
+func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
+	if c == nil {
+		return
+	}
+	log := l.p.opts.Logger
+	var f foundProfile
+	select {
+	case f = <-c:
+	case <-time.After(profileLookupTimeout):
+		log.Warn("profile lookup too slow: loading without a profile", "snapshot", l.src.Index.Digest, "waited", profileLookupTimeout)
+		return
+	case <-ctx.Done():
+		return
+	}
+	for _, w := range f.warnings {
+		log.Warn(w, "snapshot", l.src.Index.Digest)
+	}
+	if f.err != nil {
+		log.Warn("no profile used", "snapshot", l.src.Index.Digest, "err", f.err)
+		return
+	}
+	if f.p == nil {
+		return
+	}
+	ranges, warnings, err := f.p.For(l.snap)
+	for _, w := range warnings {
+		log.Warn(w, "snapshot", l.src.Index.Digest, "profile", f.info.Digest)
+	}
+	if err != nil {
+		log.Warn("profile not used", "snapshot", l.src.Index.Digest, "profile", f.info.Digest, "err", err)
+		return
+	}
+	l.profile = ranges
+	info := f.info
+	info.Ranges, info.Bytes = len(ranges), 0
+	for _, r := range ranges {
+		info.Bytes += r.Length
+	}
+	l.profileInfo = &info
+	l.sched.FetchProfile(profileChunks(l.snap, l.chunks, ranges))
+}
+
+// profileChunks lists the chunks covering ranges, in the ranges' order,
+// each once.
+func profileChunks(snap *format.Snapshot, chunks [][]format.Chunk, ranges []profile.Range) []format.Chunk {
+	var out []format.Chunk
+	seen := map[digest.Digest]bool{}
+	for _, r := range ranges {
+		for fi, f := range snap.Files {
+			if f.Path != r.Path {
+				continue
+			}
+			t := format.Table{Chunks: chunks[fi]}
+			first, last := t.Locate(r.Offset, r.Length)
+			for ci := first; ci < last; ci++ {
+				if c := chunks[fi][ci]; !seen[c.Digest] {
+					seen[c.Digest] = true
+					out = append(out, c)
+				}
+			}
+		}
+	}
+	return out
 }
 
 // run fetches every chunk of the given files (indexes into the snapshot's
@@ -307,7 +409,7 @@ var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c
 func (l *load) fetchAll(ctx context.Context, files []int) error {
 	var pending []*fetch.Pending
 	var held []format.Chunk
-	for _, c := range prefetchOrder(l.snap, l.chunks, files, l.src.Prefetch) {
+	for _, c := range prefetchOrder(l.snap, l.chunks, files, l.profile) {
 		if c.Encoding != format.EncodingZero && !l.p.cache.Has(c.Digest) {
 			if ps := l.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
 				pending = append(pending, ps[0])
@@ -338,9 +440,9 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 }
 
 // prefetchOrder lists every chunk of the given files of snap once: first
-// those covering the ranges of the prefetch list, in its order, then the
-// rest in file and offset order.
-func prefetchOrder(snap *format.Snapshot, chunks [][]format.Chunk, files []int, list []Range) []format.Chunk {
+// those covering the ranges of the profile, in its order, then the rest
+// in file and offset order.
+func prefetchOrder(snap *format.Snapshot, chunks [][]format.Chunk, files []int, list []profile.Range) []format.Chunk {
 	type key struct{ file, chunk int }
 	seen := map[key]bool{}
 	var out []format.Chunk
@@ -469,6 +571,8 @@ type Mount struct {
 	// files are what imagefs serves: every file's chunks, and the small
 	// files' bytes.
 	files []imagefs.File
+	// rec records the working set of the sandbox reading the mount.
+	rec *profile.Recorder
 
 	loaded chan struct{}
 	mu     sync.Mutex
@@ -521,7 +625,8 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	if materializeAfter == nil {
 		materializeAfter = closed
 	}
-	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter}
+	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter,
+		rec: profile.NewRecorder(src.Index.Digest, start, p.opts.RecordFor)}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
@@ -596,7 +701,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	root := imagefs.New(m.files, p.cache, imagefs.Sources{
 		Fault: scheduled{s: l.sched, prio: fetch.Fault},
 		Read:  scheduled{s: l.sched, prio: fetch.Read},
-	}, &m.fsStats, p.opts.ReadLog)
+	}, &m.fsStats, p.opts.ReadLog, m.rec.Read)
 	server, err := fs.Mount(dir, root, imagefs.MountOptions("cryo:"+src.Index.Digest.Encoded()[:12]))
 	if err != nil {
 		m.close()
@@ -637,6 +742,15 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 		defer func() {
 			fmt.Fprintf(w, "read %s off=%d len=%d start=%s took=%s prio=%d\n", path, off, len(p), t0.Format("15:04:05.000000"), time.Since(t0), prio)
 		}()
+	}
+	// The working set: what the sandbox waited on, of the lazy files
+	// (small files are fetched before the mount is ready anyway).
+	switch {
+	case m.files != nil && m.files[i].Data != nil:
+	case prio >= fetch.Fault || path != format.PagesFile:
+		m.rec.Waited(path, off, int64(len(p)))
+	default:
+		m.rec.Swept()
 	}
 	if m.materialized != "" {
 		return m.readMaterialized(i, p, off)
@@ -759,6 +873,13 @@ func (m *Mount) Digest() digest.Digest { return m.l.src.Index.Digest }
 // Snapshot is the mounted snapshot.
 func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 
+// Profile returns the working set recorded so far: the reads the sandbox
+// waited on (page-fault windows of pages.img, and the lazy reads of other
+// files), in first-access order, for Options.RecordFor after its first
+// read of pages.img. A mount of a materialized snapshot by bind mount sees
+// no reads and records nothing.
+func (m *Mount) Profile() *profile.Profile { return m.rec.Profile() }
+
 // FetchLog returns the fetches made so far (with Options.KeepFetchLog).
 func (m *Mount) FetchLog() []fetch.LogEntry {
 	if m.l.sched == nil {
@@ -770,7 +891,7 @@ func (m *Mount) FetchLog() []fetch.LogEntry {
 // Progress reports the mount's state.
 func (m *Mount) Progress() Progress {
 	pr := Progress{Digest: m.l.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.l.total, LocalBytes: m.l.local.Load(),
-		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds()}
+		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds(), Profile: m.l.profileInfo}
 	select {
 	case <-m.loaded:
 		pr.Loaded = true
@@ -811,6 +932,7 @@ func (m *Mount) Unmount() error {
 // close stops loading and releases the mount's pins, once.
 func (m *Mount) close() {
 	m.closeOnce.Do(func() {
+		m.rec.Stop()
 		m.cancel()
 		m.l.stop()
 		// The background load stops at its next step; nothing of this

@@ -22,6 +22,7 @@ import (
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/opencontainers/go-digest"
@@ -559,14 +560,31 @@ func TestEagerFallbackWithoutFUSE(t *testing.T) {
 	}
 }
 
-func TestPrefetchListComesFirst(t *testing.T) {
+// staticProfile finds one profile.
+type staticProfile struct{ p *profile.Profile }
+
+func (s staticProfile) Find(ctx context.Context, subject ocispec.Descriptor) (*profile.Profile, profile.Info, []string, error) {
+	return s.p, profile.Info{Digest: digest.FromString("static"), Merged: 1, Ranges: len(s.p.Ranges), Bytes: s.p.Bytes()}, nil, nil
+}
+
+// TestProfileComesFirst: the chunks of a profile's ranges are fetched
+// first, in its order, ahead of the background load, and the mount says
+// which profile it used; a range past the end of its file is dropped.
+func TestProfileComesFirst(t *testing.T) {
 	needFUSE(t)
 	r := startReg(t)
 	_, s := push(t, r, "app", synth.Random, 8<<20, 9)
 	info := int64(8 << 20)
-	s.Prefetch = []Range{{Path: "pages.img", Offset: info - (1 << 20), Length: 1 << 20}, {Path: "pages.img", Offset: 3 << 20, Length: 4096}}
+	s.Profile = staticProfile{&profile.Profile{MediaType: profile.MediaType, Subject: s.Index.Digest, Ranges: []profile.Range{
+		{Path: "pages.img", Offset: info - (1 << 20), Length: 1 << 20},
+		{Path: "pages.img", Offset: 3 << 20, Length: 4096, AtMillis: 5},
+		{Path: "pages.img", Offset: 64 << 20, Length: 4096, AtMillis: 6}, // past the end
+	}}}
 	m := mount(t, newPuller(t, Options{KeepFetchLog: true, Workers: 1}), s)
 	waitLoaded(t, m)
+	if pr := m.Progress(); pr.Profile == nil || pr.Profile.Ranges != 2 || pr.Profile.Bytes != 1<<20+4096 {
+		t.Errorf("progress says profile %+v, want the 2 ranges within the file", pr.Profile)
+	}
 	var log []fetch.LogEntry
 	for _, e := range m.FetchLog() {
 		if !e.Demand() { // the small files were fetched on demand before
@@ -577,12 +595,12 @@ func TestPrefetchListComesFirst(t *testing.T) {
 		t.Fatalf("only %d prefetches", len(log))
 	}
 	// With one worker, the listed ranges are fetched first, in list order.
-	if log[0].Offset > info-(1<<20) || log[0].Offset+(1<<20) <= info-(1<<20) {
-		t.Errorf("first fetch at offset %d, want the chunk covering the last MiB", log[0].Offset)
+	if log[0].Priority != fetch.Profile || log[0].Offset > info-(1<<20) || log[0].Offset+(1<<20) <= info-(1<<20) {
+		t.Errorf("first fetch %+v, want the profile's chunk covering the last MiB", log[0])
 	}
 	found := false
 	for _, e := range log[:4] {
-		if e.Offset <= 3<<20 && 3<<20 < e.Offset+(1<<20) {
+		if e.Priority == fetch.Profile && e.Offset <= 3<<20 && 3<<20 < e.Offset+(1<<20) {
 			found = true
 		}
 	}

@@ -44,6 +44,8 @@ type restoreEnv struct {
 	dockerConfig string
 	// backend, if set, is cryo restore's --backend.
 	backend string
+	// flags are more cryo restore flags.
+	flags []string
 }
 
 func newRestoreEnv(t *testing.T) *restoreEnv {
@@ -105,6 +107,7 @@ func (e *restoreEnv) restoreCommand(ctx context.Context, app *gvisortest.App, ru
 	for _, f := range app.Flags() {
 		args = append(args, "--runsc-flag="+f)
 	}
+	args = append(args, e.flags...)
 	args = append(args, ref, "--bundle="+app.BundleDir(), app.ID())
 	return e.command(ctx, args...)
 }

@@ -70,6 +70,6 @@ A LAYOUT argument is an OCI image layout directory, optionally followed by
 	}
 	root.AddCommand(newPackCmd(), newUnpackCmd(), newVerifyCmd(), newInspectCmd(),
 		newPushCmd(), newPullCmd(), newCopyCmd(), newLoginCmd(), newRegistryCmd(),
-		newMountCmd(), newRestoreCmd(), newCheckpointCmd(), newPullerCmd())
+		newMountCmd(), newRestoreCmd(), newCheckpointCmd(), newPullerCmd(), newProfileCmd())
 	return root
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -27,6 +26,9 @@ type pullerFlags struct {
 	writeBuf  int64
 	prefetch  string
 	readLog   string
+	// profile is --profile; recordFor bounds recording.
+	profile   string
+	recordFor time.Duration
 	// client is shared by every reference resolved (the daemon's too),
 	// built on first use.
 	client *transfer.Client
@@ -43,12 +45,15 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 	fl.DurationVar(&f.deadline, "deadline", 5*time.Minute, "how long a chunk is retried before its read fails")
 	fl.Int64Var(&f.writeBuf, "cache-write-buffer", 64<<20, "bytes of fetched chunks a mount queues in memory for the node cache's disk; fetching waits while it is full, so a disk slower than the link slows loading down (more buffer: more memory, less wait)")
 	fl.StringVar(&f.readLog, "read-log", "", "write a line per read of the snapshot (FUSE or gofer: file, offset, length, start, duration) to this file, to see where a restore waits")
-	fl.StringVar(&f.prefetch, "prefetch-list", "", `JSON file of byte ranges to load first, in order: [{"path": "pages.img", "offset": 0, "length": 1048576}, ...]`)
+	fl.StringVar(&f.prefetch, "prefetch-list", "", "retired: use --profile FILE")
+	fl.MarkHidden("prefetch-list")
+	fl.StringVar(&f.profile, "profile", "auto", profileHelp)
+	fl.DurationVar(&f.recordFor, "record-for", 0, "how long after the sandbox's first read of pages.img a mount records its working set (default 30s)")
 }
 
 // options are the puller's options from the flags.
 func (f *pullerFlags) options() (puller.Options, error) {
-	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, WriteBuffer: f.writeBuf, NoFUSE: f.noFUSE}
+	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, WriteBuffer: f.writeBuf, NoFUSE: f.noFUSE, RecordFor: f.recordFor}
 	if f.readLog != "" {
 		w, err := os.Create(f.readLog)
 		if err != nil {
@@ -68,8 +73,17 @@ func (f *pullerFlags) open() (*puller.Puller, error) {
 }
 
 // source resolves ref (a tag at its own registry only) and returns the
-// snapshot with its endpoints: the mirrors, then ref's registry.
+// snapshot with its endpoints (the mirrors, then ref's registry) and how
+// its profile is found (--profile).
 func (f *pullerFlags) source(ctx context.Context, ref string) (puller.Source, error) {
+	return f.sourceWith(ctx, ref, f.profile)
+}
+
+// sourceWith is source with the profile choice given.
+func (f *pullerFlags) sourceWith(ctx context.Context, ref, choice string) (puller.Source, error) {
+	if f.prefetch != "" {
+		return puller.Source{}, errPrefetchListRetired
+	}
 	if f.client == nil {
 		c, err := f.ro.client(ref)
 		if err != nil {
@@ -78,21 +92,18 @@ func (f *pullerFlags) source(ctx context.Context, ref string) (puller.Source, er
 		f.client = c
 	}
 	src, err := puller.Resolve(ctx, ref, puller.ResolveOptions{Mirrors: f.mirrors, Client: f.client})
-	if err != nil || f.prefetch == "" {
+	if err != nil {
 		return src, err
 	}
-	data, err := os.ReadFile(f.prefetch)
-	if err != nil {
-		return src, fmt.Errorf("prefetch list: %w", err)
-	}
-	if err := json.Unmarshal(data, &src.Prefetch); err != nil {
-		return src, fmt.Errorf("prefetch list %s: %w", f.prefetch, err)
-	}
-	return src, nil
+	src.Profile, err = f.finder(ref, choice)
+	return src, err
 }
 
 func newMountCmd() *cobra.Command {
-	var pf pullerFlags
+	var (
+		pf            pullerFlags
+		recordProfile string
+	)
 	cmd := &cobra.Command{
 		Use:   "mount REF DIR",
 		Short: "Mount a snapshot as an image dir that loads while it is used",
@@ -104,6 +115,11 @@ and verified (demand reads go ahead of the background load). It prints
 "loaded" once every chunk is in the node cache and the snapshot is written
 out as a plain dir, which later mounts of it use without FUSE.
 SIGINT or SIGTERM unmounts.
+
+The snapshot's working-set profile (--profile) is fetched first, from
+before DIR is ready. --record-profile FILE writes the working set the
+sandbox restoring from DIR waited on, once the snapshot is loaded and again
+at unmount.
 
 Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 		Example: `  cryo mount localhost:5000/app:v1 /run/cryo/app &
@@ -127,7 +143,18 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 				return err
 			}
 			pr := m.Progress()
+			if pr.Profile != nil {
+				fmt.Fprintf(cmd.ErrOrStderr(), "cryo: %s\n", profileLine(pr.Profile))
+			}
 			fmt.Fprintf(cmd.OutOrStdout(), "ready: %s at %s (%s, %s, %.0f ms)\n", src.Index.Digest, args[1], pr.Mode, humanBytes(pr.TotalBytes), pr.ReadySeconds*1000)
+			record := func() {
+				if recordProfile == "" {
+					return
+				}
+				if err := writeProfile(recordProfile, m.Profile()); err != nil {
+					fmt.Fprintf(cmd.ErrOrStderr(), "cryo: warning: %v\n", err)
+				}
+			}
 			select {
 			case <-m.Loaded():
 				pr := m.Progress()
@@ -136,9 +163,11 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 				} else {
 					fmt.Fprintf(cmd.OutOrStdout(), "loaded: all %s local after %.2f s (%d demand fetches)\n", humanBytes(pr.TotalBytes), pr.LoadedSeconds, pr.DemandChunks)
 				}
+				record()
 				<-ctx.Done()
 			case <-ctx.Done():
 			}
+			record()
 			if err := m.Unmount(); err != nil {
 				return err
 			}
@@ -147,6 +176,7 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 		},
 	}
 	pf.register(cmd, withCredentials)
+	cmd.Flags().StringVar(&recordProfile, "record-profile", "", "write the working set the restoring sandbox waited on to this file (once loaded, and at unmount), for --profile FILE or cryo profile push")
 	return cmd
 }
 
@@ -159,6 +189,8 @@ func newRestoreCmd() *cobra.Command {
 		backend    string
 		goferDir   string
 		goferLog   string
+		recordProf string
+		publish    bool
 	)
 	cmd := &cobra.Command{
 		Use:   "restore [flags] REF [runsc restore flags] CONTAINER_ID",
@@ -184,7 +216,14 @@ not materialized: "auto" takes the gofer when --gofer-dir holds one built
 from the local runsc's gVisor release, else FUSE; "gofer" refuses to run
 without a matching one. runsc is pointed at the gofer with
 GVISOR_SIDECAR_BINARIES_DIR=--gofer-dir: never install cryo's gofer as
-gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
+gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.
+
+--profile (default auto) fetches the snapshot's working set first: the
+ranges its published profiles say a restored sandbox waits on, merged,
+from before runsc opens pages.img; the line "profile: sha256:... (N ranges,
+SIZE)" says which. --record-profile FILE writes the working set this
+restore waited on once every page is loaded; --publish-profile attaches it
+to the snapshot in its repository (the node needs push access).`,
 		Example: `  cryo restore --runsc-flag=--root=/run/runsc --runsc-flag=--platform=systrap \
     localhost:5000/app:v1 --bundle=/srv/app app1`,
 		Args: cobra.MinimumNArgs(2),
@@ -216,7 +255,7 @@ gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 			}
 			// stdout belongs to the container: cryo's messages go to stderr.
 			msg := cmd.ErrOrStderr()
-			_, err = restore.Restore(ctx, p, src, restore.Options{
+			res, err := restore.Restore(ctx, p, src, restore.Options{
 				Runsc:        runsc,
 				RunscFlags:   runscFlags,
 				RunscVersion: lv.v,
@@ -233,7 +272,29 @@ gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 				GoferDir:     goferDir,
 				GoferLog:     absPath(goferLog),
 			})
-			return err
+			if err != nil {
+				return err
+			}
+			if res.Profile == nil || (recordProf == "" && !publish) {
+				return nil
+			}
+			if recordProf != "" {
+				if err := writeProfile(recordProf, res.Profile); err != nil {
+					return err
+				}
+			}
+			if publish {
+				if len(res.Profile.Ranges) == 0 {
+					fmt.Fprintf(msg, "cryo: the sandbox waited on nothing: no profile published\n")
+					return nil
+				}
+				desc, err := pushProfile(ctx, pf.ro, ref, res.Profile)
+				if err != nil {
+					return fmt.Errorf("publish profile: %w", err)
+				}
+				fmt.Fprintf(msg, "cryo: published profile %s (%d ranges, %s)\n", desc.Digest, len(res.Profile.Ranges), humanBytes(res.Profile.Bytes()))
+			}
+			return nil
 		},
 	}
 	pf.register(cmd, noPasswordStdin)
@@ -243,6 +304,8 @@ gvisor-bin/checkpointgofer beside runsc, where every sandbox would use it.`,
 	cmd.Flags().StringVar(&backend, "backend", string(restore.BackendAuto), "how runsc reads a snapshot not materialized on the node: gofer, fuse or auto (the gofer if --gofer-dir has one of runsc's release)")
 	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
+	cmd.Flags().StringVar(&recordProf, "record-profile", "", "write the working set the restored sandbox waited on to this file once every page is loaded (nothing for a snapshot materialized on the node)")
+	cmd.Flags().BoolVar(&publish, "publish-profile", false, "attach the recorded working set to the snapshot in its repository (needs push access)")
 	cmd.Flags().SetInterspersed(false)
 	return cmd
 }
@@ -285,6 +348,9 @@ func printRestoreEvent(w io.Writer, id string, e restore.Event) {
 			why = fmt.Sprintf(" (checkpoint gofer not used: %v)", e.GoferUnused)
 		}
 		fmt.Fprintf(w, "cryo: snapshot %s: mode %s%s, image dir %s ready after %.0f ms\n", e.Snapshot, e.Mode, why, e.Dir, e.After.Seconds()*1000)
+		if e.Profile != nil {
+			fmt.Fprintf(w, "cryo: %s\n", profileLine(e.Profile))
+		}
 	case restore.Restored:
 		fmt.Fprintf(w, "cryo: restored %s from %s (mode %s, runsc restore returned after %.0f ms)\n", id, e.Snapshot, e.Mode, e.After.Seconds()*1000)
 	case restore.PagesLoaded:

@@ -122,7 +122,14 @@ Logs are structured (JSON) on stderr.`,
 			if socket, err = filepath.Abs(socket); err != nil {
 				return err
 			}
-			d, err := daemon.New(p, pf.source, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
+			// A mount request without "profile" gets --profile's choice.
+			resolve := func(ctx context.Context, ref, choice string) (puller.Source, error) {
+				if choice == "" {
+					choice = pf.profile
+				}
+				return pf.sourceWith(ctx, ref, choice)
+			}
+			d, err := daemon.New(p, resolve, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
 			if err != nil {
 				return err
 			}

@@ -87,6 +87,24 @@ else:
     buf = bytearray(os.urandom(n))
 def out(s):
     os.write(1, (s + "\n").encode())
+# The hot set: slices of buf whose pages the app reads before every count.
+hot = []
+page = 4096
+if sys.argv[4] == "regions":
+    # 5% of the buffer in 4 regions at random page-aligned places.
+    size = (n // 20 // 4) // page * page
+    rnd = int.from_bytes(os.urandom(8), "little")
+    for i in range(4):
+        start = (rnd >> (16 * i)) % max(1, (n - size) // page) * page
+        hot.append((start, start + size, page))
+elif sys.argv[4] == "scattered":
+    # One page in every 20: 5% of the pages, in every part of the buffer.
+    hot.append((0, n, 20 * page))
+def touch():
+    s = 0
+    for a, b, step in hot:
+        s += sum(buf[a:b:step])
+    return s
 want = [True]
 rewrite = [False]
 def on_usr1(signum, frame):
@@ -109,6 +127,7 @@ while True:
     if want[0]:
         want[0] = False
         out("hash " + hashlib.sha256(buf).hexdigest())
+    touch()
     count += 1
     out("count %d" % count)
     time.sleep(float(sys.argv[3]))
@@ -186,6 +205,13 @@ type AppOptions struct {
 	// Text fills the buffer with text-like data (lowercase hex digits, which
 	// compress about 2x) instead of random bytes (incompressible).
 	Text bool
+	// HotSet makes the app read a hot set of its buffer (one byte of each
+	// of its pages) before every count line, as an app answering a
+	// request reads its live objects: HotRegions (5% of the buffer in 4
+	// contiguous regions at random places) or HotScattered (5% of the
+	// pages, one in every 20, spread over the whole buffer). Default:
+	// none.
+	HotSet HotSet
 	// Python is the interpreter to run inside the sandbox. Default:
 	// $CRYO_PYTHON, else /usr/bin/python3, else the real executable behind
 	// the host's python3 (pyenv shims are resolved). The sandbox sees the
@@ -195,6 +221,16 @@ type AppOptions struct {
 	// app, e.g. "--debug", "--debug-log=/tmp/logs/".
 	RunscFlags []string
 }
+
+// HotSet is the part of its buffer an app reads on every request.
+type HotSet string
+
+// The hot sets.
+const (
+	HotNone      HotSet = ""
+	HotRegions   HotSet = "regions"
+	HotScattered HotSet = "scattered"
+)
 
 // App is a Python app running in a runsc sandbox. Its methods fail the test
 // on error. An App is not safe for concurrent use.
@@ -269,7 +305,11 @@ func StartApp(t testing.TB, runsc string, opts AppOptions) *App {
 	if opts.Interval <= 0 {
 		opts.Interval = 150 * time.Millisecond
 	}
-	args := []string{python, "-u", "-I", "-c", appScript, strconv.Itoa(opts.MemoryMiB), mode, strconv.FormatFloat(opts.Interval.Seconds(), 'f', 3, 64)}
+	hot := string(opts.HotSet)
+	if hot == "" {
+		hot = "none"
+	}
+	args := []string{python, "-u", "-I", "-c", appScript, strconv.Itoa(opts.MemoryMiB), mode, strconv.FormatFloat(opts.Interval.Seconds(), 'f', 3, 64), hot}
 	if err := writeBundle(a.bundleDir, args); err != nil {
 		t.Fatalf("gvisortest: %v", err)
 	}

@@ -6,9 +6,14 @@
 //	                             {"ref": ..., "backend": "gofer"}: the dir
 //	                             holds only gcs_opts.json, for cryo's
 //	                             checkpoint gofer (no FUSE)
+//	                             "profile": "auto" (default), "none" or a
+//	                             profile's manifest digest: what to fetch
+//	                             first (puller/profile)
 //	GET    /v1/mounts            -> [Mount]
 //	GET    /v1/mounts/{id}       -> Mount
 //	POST   /v1/mounts/{id}/wait  -> Mount, once every chunk is local
+//	GET    /v1/mounts/{id}/profile -> the working set recorded so far
+//	                             (application/vnd.cryo.profile.v1+json)
 //	DELETE /v1/mounts/{id}       -> 204, unmounted (404 to all but one of
 //	                             concurrent DELETEs of a mount)
 //	GET    /v1/mounts/{id}/files/{path}  byte ranges of a mount's files
@@ -42,14 +47,17 @@ import (
 
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sys/unix"
 )
 
-// Resolver turns a reference into a snapshot source (endpoints in order).
-type Resolver func(ctx context.Context, ref string) (puller.Source, error)
+// Resolver turns a reference into a snapshot source (endpoints in order)
+// whose profile is found as choice says: "auto" (or ""), "none" or a
+// profile's manifest digest.
+type Resolver func(ctx context.Context, ref, choice string) (puller.Source, error)
 
 // DefaultMaxMounts is the default cap on live mounts.
 const DefaultMaxMounts = 256
@@ -222,6 +230,7 @@ func (d *Daemon) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/mounts", d.list)
 	mux.HandleFunc("GET /v1/mounts/{id}", d.get)
 	mux.HandleFunc("POST /v1/mounts/{id}/wait", d.wait)
+	mux.HandleFunc("GET /v1/mounts/{id}/profile", d.profile)
 	mux.HandleFunc("DELETE /v1/mounts/{id}", d.delete)
 	gofer.RegisterFiles(mux, d.files)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(d.gatherer, promhttp.HandlerOpts{}))
@@ -257,6 +266,7 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	var req struct {
 		Ref     string `json:"ref"`
 		Backend string `json:"backend"`
+		Profile string `json:"profile"`
 	}
 	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil || req.Ref == "" {
 		httpError(w, http.StatusBadRequest, "want a JSON body {\"ref\": \"host/repo:tag\"}")
@@ -272,6 +282,12 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	default:
 		httpError(w, http.StatusBadRequest, fmt.Sprintf("backend %q: want fuse or gofer", req.Backend))
 		return
+	}
+	if p := req.Profile; p != "" && p != "auto" && p != "none" {
+		if _, err := digest.Parse(p); err != nil {
+			httpError(w, http.StatusBadRequest, fmt.Sprintf("profile %q: want auto, none or a profile's manifest digest", p))
+			return
+		}
 	}
 	d.mu.Lock()
 	if n := len(d.mounts) + d.creating; n >= d.max {
@@ -295,7 +311,7 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		})
 	}
 	defer done(nil)
-	src, err := d.resolve(r.Context(), req.Ref)
+	src, err := d.resolve(r.Context(), req.Ref, req.Profile)
 	if err != nil {
 		httpError(w, http.StatusBadGateway, err.Error())
 		return
@@ -365,6 +381,21 @@ func (d *Daemon) get(w http.ResponseWriter, r *http.Request) {
 	if e := d.lookup(w, r); e != nil {
 		writeJSON(w, http.StatusOK, view(e))
 	}
+}
+
+// profile serves the working set a mount recorded so far.
+func (d *Daemon) profile(w http.ResponseWriter, r *http.Request) {
+	e := d.lookup(w, r)
+	if e == nil {
+		return
+	}
+	data, err := e.m.Profile().Encode()
+	if err != nil {
+		httpError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	w.Header().Set("Content-Type", profile.MediaType)
+	w.Write(data)
 }
 
 func (d *Daemon) wait(w http.ResponseWriter, r *http.Request) {

@@ -75,7 +75,7 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	resolve := func(ctx context.Context, ref string) (puller.Source, error) {
+	resolve := func(ctx context.Context, ref, _ string) (puller.Source, error) {
 		return puller.Resolve(ctx, ref, puller.ResolveOptions{Client: client})
 	}
 	if opts.MountsDir == "" {

@@ -91,6 +91,10 @@ const (
 	// restoring sandbox's background loader reads pages.img this way, in
 	// large pieces, many at once.
 	Read
+	// Profile is a chunk a working-set profile says the sandbox will wait
+	// on soon (puller/profile), fetched in the profile's order, ahead of
+	// the background loader's reads.
+	Profile
 	// Fault is a read the sandbox's application is blocked on (a page
 	// fault: a short read, see imagefs.FaultBelow), served newest first.
 	Fault
@@ -106,8 +110,11 @@ type LogEntry struct {
 }
 
 // Demand reports whether the fetch was on demand, for a read (Read or
-// Fault), not a prefetch.
-func (e LogEntry) Demand() bool { return e.Priority > Prefetch }
+// Fault), not a prefetch or a profile's.
+func (e LogEntry) Demand() bool { return e.Priority.isDemand() }
+
+// isDemand reports whether p is a read's priority (Read or Fault).
+func (p Priority) isDemand() bool { return p == Read || p == Fault }
 
 // key identifies a fetch: a chunk and exactly how a table says it is
 // stored. Two table entries for one chunk digest that disagree on the rest
@@ -152,6 +159,9 @@ type Scheduler struct {
 	calls  map[key]*call
 	closed bool
 	log    []LogEntry
+	// link estimates the link from the fetches done, to bound the
+	// background fetches while urgent ones run.
+	link link
 
 	wg sync.WaitGroup
 }
@@ -339,12 +349,25 @@ func checkSize(c format.Chunk, data []byte) ([]byte, error) {
 // behind any demand fetch. Chunks already cached, queued or zero are
 // skipped. Wait reports completion.
 func (s *Scheduler) Prefetch(chunks []format.Chunk) []*Pending {
+	return s.queue(chunks, Prefetch)
+}
+
+// FetchProfile queues chunks at priority Profile, in the order given (a
+// working-set profile's: what a sandbox restored from this snapshot
+// waited on first), ahead of reads and prefetches, behind faults. Chunks
+// already cached or zero are skipped; queued ones are promoted. Wait
+// reports completion.
+func (s *Scheduler) FetchProfile(chunks []format.Chunk) []*Pending {
+	return s.queue(chunks, Profile)
+}
+
+func (s *Scheduler) queue(chunks []format.Chunk, prio Priority) []*Pending {
 	var out []*Pending
 	for _, c := range chunks {
 		if c.Encoding == format.EncodingZero || s.cache.Has(c.Digest) {
 			continue
 		}
-		cl, err := s.enqueue(c, Prefetch)
+		cl, err := s.enqueue(c, prio)
 		if err != nil {
 			break
 		}
@@ -393,7 +416,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	}
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
-		cl.demand = cl.demand || prio > Prefetch
+		cl.demand = cl.demand || prio.isDemand()
 		if prio > cl.prio && !cl.started {
 			// Promote a queued call; its entry in the lower queue is
 			// skipped when met.
@@ -403,7 +426,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		}
 		return cl, nil
 	}
-	cl := &call{chunk: c, prio: prio, demand: prio > Prefetch, done: make(chan struct{}), ready: make(chan struct{})}
+	cl := &call{chunk: c, prio: prio, demand: prio.isDemand(), done: make(chan struct{}), ready: make(chan struct{})}
 	s.calls[k] = cl
 	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
@@ -411,13 +434,18 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 }
 
 // next takes the next call to run, and the priority it runs at: the
-// newest fault, else the oldest read, else, only while no read waits or
-// runs, the next prefetch. A restoring sandbox keeps many reads in flight
-// (gVisor's background loader issues up to 128 at once, in ascending
-// order); the page fault its application is blocked on arrives last, so
-// faults go newest first. Faults do not hold the loader's reads back: that
-// would serialize the loader behind every page fault. Prefetches wait
+// newest fault, else the oldest profile chunk, else the oldest read,
+// else, only while no read waits or runs, the next prefetch. A restoring
+// sandbox keeps many reads in flight (gVisor's background loader issues
+// up to 128 at once, in ascending order); the page fault its application
+// is blocked on arrives last, so faults go newest first. Prefetches wait
 // while reads are served, which covers the whole file anyway.
+//
+// While faults or profile chunks are being fetched (urgent fetches), the
+// background (reads and prefetches) keeps at most link.backgroundLimit
+// fetches in flight: about half the link's measured bandwidth-delay
+// product, at least one, so that it neither stops nor queues bytes on the
+// link ahead of what the sandbox waits for.
 func (s *Scheduler) next() (*call, Priority) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -425,8 +453,12 @@ func (s *Scheduler) next() (*call, Priority) {
 		if s.closed {
 			return nil, 0
 		}
+		urgent := s.active[Fault]+s.active[Profile] > 0
 		for p := numPriorities - 1; p >= 0; p-- {
-			if p == Prefetch && (s.active[Fault]+s.active[Read] > 0) {
+			if p == Prefetch && (s.active[Fault]+s.active[Profile]+s.active[Read] > 0) {
+				break
+			}
+			if p <= Read && urgent && s.active[Read]+s.active[Prefetch] >= s.link.backgroundLimit(s.opts.Workers) {
 				break
 			}
 			if cl := s.pop(p); cl != nil {
@@ -520,8 +552,15 @@ func (s *Scheduler) worker() {
 		if cl == nil {
 			return
 		}
+		start := time.Now()
+		n := cl.chunk.BlobSize
+		for _, b := range cl.batch {
+			n += b.chunk.BlobSize
+		}
 		s.run(cl)
+		took := time.Since(start)
 		s.mu.Lock()
+		s.link.done(n, took, time.Now())
 		// The priority it ran at: a call run again (requeue) may have
 		// been promoted since.
 		s.active[prio]--

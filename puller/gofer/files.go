@@ -9,8 +9,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -389,88 +387,4 @@ func (c *Client) retry(ctx context.Context, path string, op func() (retry bool, 
 		}
 		wait = min(2*wait, 2*time.Second)
 	}
-}
-
-// Classifier tells the reads of pages.img a sandbox waits on (gVisor's
-// priority reads: the mapping windows around page faults, up to 32 MiB
-// each, anywhere in the file) from its background sweep. The sweep reads
-// the file in ascending order and skips what priority reads asked for
-// (and pages freed before they were loaded, which nobody asks for); so a
-// read is the sweep's if it starts where the sweep's last read ended, past
-// only bytes already asked for and at most SweepGap bytes nobody asked
-// for (a fault that close to the sweep is taken for it: its bytes come
-// next anyway). Any other read is a fault. Freed ranges of more than
-// SweepGap in all leave the rest of the sweep classified as faults:
-// served first, newest first, with the app's real faults among them.
-// Reads must be classified in the order the sentry submits them. It is
-// not safe for concurrent use.
-type Classifier struct {
-	// frontier is where the sweep's next read starts: the end of its last
-	// read, moved past what was asked for since.
-	frontier int64
-	// asked are the ranges asked for, sorted, disjoint, not adjacent.
-	asked []span
-}
-
-// SweepGap is how many bytes nobody asked for the sweep may skip (pages
-// freed before they were loaded) and still be taken for the sweep.
-const SweepGap = 16 << 20
-
-type span struct{ start, end int64 }
-
-// Classify returns the priority of a read of n bytes at off.
-func (c *Classifier) Classify(off, n int64) fetch.Priority {
-	prio := fetch.Fault
-	gap := int64(-1)
-	if off >= c.frontier {
-		gap = c.unasked(c.frontier, off)
-	}
-	c.add(off, off+n)
-	switch {
-	case gap == 0:
-		prio, c.frontier = fetch.Read, off+n
-	case gap > 0 && gap <= SweepGap:
-		// The sweep past freed pages, or a fault just ahead of it: taken
-		// for the sweep, but the frontier stays, so that the sweep's own
-		// next read is not taken for a fault if this was one.
-		prio = fetch.Read
-	}
-	// Past what priority reads have asked for: the sweep skips it.
-	if i := c.find(c.frontier); i < len(c.asked) && c.asked[i].start <= c.frontier {
-		c.frontier = max(c.frontier, c.asked[i].end)
-	}
-	return prio
-}
-
-// unasked returns how many bytes of [from, to) nobody asked for, counting
-// at most SweepGap+1.
-func (c *Classifier) unasked(from, to int64) int64 {
-	var n int64
-	for i := c.find(from); from < to && n <= SweepGap; i++ {
-		if i == len(c.asked) || c.asked[i].start >= to {
-			return n + (to - from)
-		}
-		if c.asked[i].start > from {
-			n += c.asked[i].start - from
-		}
-		from = c.asked[i].end
-	}
-	return n
-}
-
-// find returns the index of the first span ending after off.
-func (c *Classifier) find(off int64) int {
-	return sort.Search(len(c.asked), func(i int) bool { return c.asked[i].end > off })
-}
-
-// add records [start, end) as asked for, merging it with the spans it
-// overlaps or touches.
-func (c *Classifier) add(start, end int64) {
-	i := sort.Search(len(c.asked), func(i int) bool { return c.asked[i].end >= start })
-	j := i
-	for j < len(c.asked) && c.asked[j].start <= end {
-		start, end = min(start, c.asked[j].start), max(end, c.asked[j].end)
-		j++
-	}
-	c.asked = slices.Replace(c.asked, i, j, span{start, end})
 }

@@ -13,9 +13,10 @@
 //   - Config, the gcs_opts.json cryo writes (WriteImageDir) and the gofer
 //     reads (ReadConfig);
 //   - RegisterFiles, the HTTP file API a cryo process serves for its
-//     mounts, and Client, which the gofer reads it with;
-//   - Classifier, which tells the sentry's page-fault reads from its
-//     background sweep.
+//     mounts, and Client, which the gofer reads it with.
+//
+// The gofer tells the sentry's page-fault reads from its background sweep
+// with profile.Classifier.
 package gofer
 
 import (

@@ -83,6 +83,9 @@ type FS struct {
 	// readLog, if set, gets a line per read: file, offset, length, start
 	// and duration (where a restore's milliseconds go).
 	readLog io.Writer
+	// observe, if set, is told of every read, in the order they come
+	// (to record a working set: profile.Recorder.Read).
+	observe func(path string, off, n int64)
 }
 
 var (
@@ -126,9 +129,10 @@ func dirAttr(out *fuse.AttrOut) syscall.Errno {
 
 // New returns the root of a filesystem holding files, whose lazy chunks are
 // read from c or, on a miss, from src. readLog, if not nil, gets a line per
-// read.
-func New(files []File, c *cache.Store, src Sources, stats *Stats, readLog io.Writer) *FS {
-	return &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog}
+// read; observe, if not nil, is told of every read of a lazy file, in the
+// order they come.
+func New(files []File, c *cache.Store, src Sources, stats *Stats, readLog io.Writer, observe func(path string, off, n int64)) *FS {
+	return &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog, observe: observe}
 }
 
 // OnAdd builds the directory tree.
@@ -202,6 +206,9 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 	}
 	if off >= n.file.Size {
 		return fuse.ReadResultData(nil), 0
+	}
+	if n.fs.observe != nil && n.file.Data == nil {
+		n.fs.observe(n.file.Path, off, min(int64(len(dest)), n.file.Size-off))
 	}
 	src := n.fs.src.Read
 	if len(dest) < FaultBelow {

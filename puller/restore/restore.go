@@ -25,6 +25,7 @@ import (
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"github.com/opencontainers/go-digest"
 )
 
@@ -168,6 +169,8 @@ type Event struct {
 	Err error
 	// GoferUnused, at Ready, is Result.GoferUnused.
 	GoferUnused error
+	// Profile, at Ready, is Result.ProfileUsed.
+	Profile *profile.Info
 }
 
 // Result describes a restore that succeeded.
@@ -194,6 +197,13 @@ type Result struct {
 	// GoferUnused says why BackendAuto did not take the checkpoint gofer
 	// for a snapshot not materialized (nil if it did, or was not asked).
 	GoferUnused error
+	// ProfileUsed is the working-set profile fetched first (nil: none).
+	ProfileUsed *profile.Info
+	// Profile is the working set this restore recorded (nil for a
+	// materialized snapshot, which is read locally): the reads the
+	// sandbox waited on until every page was loaded (or for
+	// puller.Options.RecordFor), to publish for the next restores.
+	Profile *profile.Profile
 }
 
 // VersionError is Restore's refusal of a snapshot checkpointed by another
@@ -283,7 +293,8 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 			defer r.release(m)
 		}
 		dir = m.Dir()
-		r.res.Mode = m.Progress().Mode
+		pr := m.Progress()
+		r.res.Mode, r.res.ProfileUsed = pr.Mode, pr.Profile
 	}
 	r.res.Dir = dir
 	r.res.Ready = r.report(Ready, dir, nil)
@@ -298,6 +309,10 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 		return nil, fmt.Errorf("runsc wait --restore: %w (%s)", err, strings.TrimSpace(string(out)))
 	}
 	r.res.PagesLoaded = r.report(PagesLoaded, dir, nil)
+	if m != nil {
+		// The sandbox has every page: it waits on nothing more.
+		r.res.Profile = m.Profile()
+	}
 	if g != nil {
 		g.sandboxLoaded()
 	}
@@ -336,7 +351,7 @@ func (r *run) report(step Step, dir string, err error) time.Duration {
 	if r.opts.Progress != nil {
 		ev := Event{Step: step, Snapshot: r.res.Snapshot, Mode: r.res.Mode, Dir: dir, After: after, Err: err}
 		if step == Ready {
-			ev.GoferUnused = r.res.GoferUnused
+			ev.GoferUnused, ev.Profile = r.res.GoferUnused, r.res.ProfileUsed
 		}
 		r.opts.Progress(ev)
 	}

@@ -1,0 +1,63 @@
+package fetch
+
+import "time"
+
+// link estimates the link to a scheduler's endpoints from the fetches it
+// ran: the rate they delivered bytes at and the shortest time one took
+// (an upper bound of the round trip), hence its bandwidth-delay product.
+// The scheduler's lock guards it.
+type link struct {
+	// minTook is the shortest fetch seen, rate the bytes per second
+	// delivered (smoothed over windows of windowLen), meanBlob the mean
+	// bytes of a fetch.
+	minTook  time.Duration
+	rate     float64
+	meanBlob float64
+	// window counts the bytes done since windowStart.
+	windowStart time.Time
+	windowBytes int64
+}
+
+// windowLen is how long the link's rate is measured over before it is
+// folded into the smoothed rate.
+const windowLen = 250 * time.Millisecond
+
+// done records a fetch of n stored bytes that took took, ending at now.
+func (l *link) done(n int64, took time.Duration, now time.Time) {
+	if n <= 0 || took <= 0 {
+		return
+	}
+	if l.minTook == 0 || took < l.minTook {
+		l.minTook = took
+	}
+	if l.meanBlob == 0 {
+		l.meanBlob = float64(n)
+	} else {
+		l.meanBlob += (float64(n) - l.meanBlob) / 16
+	}
+	if l.windowStart.IsZero() {
+		l.windowStart = now.Add(-took)
+	}
+	l.windowBytes += n
+	if d := now.Sub(l.windowStart); d >= windowLen {
+		r := float64(l.windowBytes) / d.Seconds()
+		if l.rate == 0 {
+			l.rate = r
+		} else {
+			l.rate += (r - l.rate) / 4
+		}
+		l.windowStart, l.windowBytes = now, 0
+	}
+}
+
+// backgroundLimit is how many background fetches may be in flight while
+// urgent ones run: half the bandwidth-delay product in fetches, at least
+// one (the background never stops), at most workers. Before anything is
+// measured, one.
+func (l *link) backgroundLimit(workers int) int {
+	if l.rate == 0 || l.meanBlob == 0 {
+		return 1
+	}
+	n := int(l.rate * l.minTook.Seconds() / l.meanBlob / 2)
+	return max(1, min(n, workers))
+}

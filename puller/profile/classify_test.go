@@ -1,0 +1,53 @@
+package profile
+
+import (
+	"testing"
+
+	"github.com/cryo-oci/cryo/puller/fetch"
+)
+
+func TestClassifier(t *testing.T) {
+	var c Classifier
+	mib := int64(1 << 20)
+	for i, tc := range []struct {
+		off  int64
+		want fetch.Priority
+	}{
+		{44 * mib, fetch.Fault},  // a fault window before the sweep starts
+		{45 * mib, fetch.Fault},  // and the rest of it
+		{0, fetch.Read},          // the sweep starts
+		{1 * mib, fetch.Read},    // and goes on
+		{500 * mib, fetch.Fault}, // a fault far ahead
+		{2 * mib, fetch.Read},    // the sweep again: the fault did not move it
+		{3 * mib, fetch.Read},
+		{10 * mib, fetch.Read},  // a fault just ahead of the sweep: taken for it
+		{4 * mib, fetch.Read},   // and the sweep goes on where it was
+		{30 * mib, fetch.Fault}, // ahead by more than SweepGap of bytes not asked for
+		{5 * mib, fetch.Read},
+		{6 * mib, fetch.Read},
+		{7 * mib, fetch.Read},
+		{8 * mib, fetch.Read},
+		{9 * mib, fetch.Read},
+		{11 * mib, fetch.Read}, // the sweep skips 10 MiB, which was asked for
+		{13 * mib, fetch.Read}, // and 12 MiB, freed: nobody asks for it
+		{14 * mib, fetch.Read},
+		{2 * mib, fetch.Fault}, // behind the sweep
+	} {
+		if got := c.Classify(tc.off, mib); got != tc.want {
+			t.Errorf("read %d at %d MiB: %v, want %v", i, tc.off/mib, got, tc.want)
+		}
+	}
+	// The sweep reaches the fault windows at 30 and 44-46 MiB and skips
+	// them.
+	for off := 15 * mib; off < 44*mib; off += mib {
+		if off == 30*mib {
+			continue
+		}
+		if got := c.Classify(off, mib); got != fetch.Read {
+			t.Fatalf("sweep read at %d MiB: %v", off/mib, got)
+		}
+	}
+	if got := c.Classify(46*mib, mib); got != fetch.Read {
+		t.Errorf("sweep read after the fault window: %v, want read", got)
+	}
+}
