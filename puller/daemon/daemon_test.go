@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"github.com/opencontainers/go-digest"
 	"io"
 	"log/slog"
@@ -439,9 +440,20 @@ func TestGoferMount(t *testing.T) {
 	if _, err := other.Size(ctx, "pages.img"); !errors.Is(err, gofer.ErrOtherSnapshot) {
 		t.Errorf("client of another snapshot: %v, want a refusal", err)
 	}
+	// The faults are the working set the mount recorded; the reads are
+	// the sweep's.
+	rec, err := profile.Parse(td.call(t, "GET", "/v1/mounts/"+m.ID+"/profile", "", http.StatusOK))
+	if err != nil {
+		t.Fatalf("the mount's profile: %v", err)
+	}
+	if rec.Subject != m.Digest || rec.Bytes() != 6<<20 || rec.Ranges[0].Offset != 0 {
+		t.Errorf("recorded %+v, want the 6 MiB read as faults", rec)
+	}
 	td.call(t, "DELETE", "/v1/mounts/"+m.ID, "", http.StatusNoContent)
 	if _, err := os.Stat(m.Dir); !os.IsNotExist(err) {
 		t.Errorf("gofer mount dir %s left after unmount: %v", m.Dir, err)
 	}
+	td.call(t, "GET", "/v1/mounts/"+m.ID+"/profile", "", http.StatusNotFound)
 	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "backend": "nfs"}`, http.StatusBadRequest)
+	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "profile": "/etc/shadow"}`, http.StatusBadRequest)
 }

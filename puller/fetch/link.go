@@ -1,6 +1,9 @@
 package fetch
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // link estimates the link to a scheduler's endpoints from the fetches it
 // ran: the rate they delivered bytes at and the shortest time one took
@@ -58,6 +61,6 @@ func (l *link) backgroundLimit(workers int) int {
 	if l.rate == 0 || l.meanBlob == 0 {
 		return 1
 	}
-	n := int(l.rate * l.minTook.Seconds() / l.meanBlob / 2)
+	n := int(math.Round(l.rate * l.minTook.Seconds() / l.meanBlob / 2))
 	return max(1, min(n, workers))
 }

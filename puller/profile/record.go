@@ -36,6 +36,8 @@ type Recorder struct {
 	// sweep tells, for a presenter that cannot (FUSE), pages.img's
 	// page-fault reads from the background sweep.
 	sweep Classifier
+	// now is the clock (time.Now; tests set their own).
+	now func() time.Time
 }
 
 // NewRecorder starts recording the working set of snapshot subject, with
@@ -44,7 +46,7 @@ func NewRecorder(subject digest.Digest, start time.Time, recFor time.Duration) *
 	if recFor <= 0 {
 		recFor = DefaultRecordFor
 	}
-	return &Recorder{subject: subject, start: start, recFor: recFor, p: Profile{MediaType: MediaType, Subject: subject}}
+	return &Recorder{subject: subject, start: start, recFor: recFor, p: Profile{MediaType: MediaType, Subject: subject}, now: time.Now}
 }
 
 // Waited records a read of n bytes at off of the file path that a sandbox
@@ -52,7 +54,7 @@ func NewRecorder(subject digest.Digest, start time.Time, recFor time.Duration) *
 func (r *Recorder) Waited(path string, off, n int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.record(path, off, n, time.Now())
+	r.record(path, off, n, r.now())
 }
 
 // Read records a read of n bytes at off of path whose kind the presenter
@@ -63,10 +65,10 @@ func (r *Recorder) Read(path string, off, n int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if path == format.PagesFile && r.sweep.Classify(off, n) != fetch.Fault {
-		r.startClock(time.Now())
+		r.startClock(r.now())
 		return
 	}
-	r.record(path, off, n, time.Now())
+	r.record(path, off, n, r.now())
 }
 
 // Swept notes a read of pages.img that is the background sweep's: it
@@ -74,7 +76,7 @@ func (r *Recorder) Read(path string, off, n int64) {
 func (r *Recorder) Swept() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.startClock(time.Now())
+	r.startClock(r.now())
 }
 
 func (r *Recorder) startClock(now time.Time) {

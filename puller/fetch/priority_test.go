@@ -1,0 +1,123 @@
+package fetch
+
+import (
+	"context"
+	"testing"
+	"time"
+)
+
+// TestPriorityOrder: with one worker busy, queued work runs faults first
+// (newest first), then a profile's chunks in its order, then reads, then
+// prefetches.
+func TestPriorityOrder(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(1, 7, 4096)
+	g := newGate(b)
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 1})
+	ctx := context.Background()
+	first := s.Prefetch(cs[:1])
+	wait(t, g.entered, "the first fetch")
+	pre := s.Prefetch(cs[1:2])
+	read := make(chan result, 1)
+	go func() { data, err := s.Get(ctx, cs[2], nil, Read); read <- result{data, err} }()
+	prof := s.FetchProfile(cs[3:5])
+	fault := get(s, ctx, cs[5])
+	// Let the read and the fault reach the queue.
+	deadline := time.Now().Add(hangLimit)
+	for {
+		s.mu.Lock()
+		n := len(s.queues[Read]) + len(s.queues[Fault])
+		s.mu.Unlock()
+		if n == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("read and fault never queued")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	g.open()
+	for _, p := range append(append(first, pre...), prof...) {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r := wait(t, read, "read"); r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r := wait(t, fault, "fault"); r.err != nil {
+		t.Fatal(r.err)
+	}
+	var got []int64
+	var prios []Priority
+	for _, e := range s.Log()[1:] {
+		got = append(got, e.Offset/4096)
+		prios = append(prios, e.Priority)
+	}
+	want := []int64{5, 3, 4, 2, 1}
+	if len(got) != len(want) {
+		t.Fatalf("fetched chunks %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("fetched chunks %v (priorities %v), want %v: fault, profile in order, read, prefetch", got, prios, want)
+		}
+	}
+}
+
+// TestBackgroundBoundedWhileUrgent: while a profile's chunk is being
+// fetched, reads keep at most the link's background limit in flight (one,
+// with nothing measured yet); once it is in, they all go.
+func TestBackgroundBoundedWhileUrgent(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(2, 5, 4096)
+	g := newGate(b)
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
+	ctx := context.Background()
+	prof := s.FetchProfile(cs[:1])
+	wait(t, g.entered, "the profile fetch")
+	reads := make(chan result, 4)
+	for _, ch := range cs[1:] {
+		go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
+	}
+	// Give the idle workers every chance to take more reads than allowed.
+	time.Sleep(200 * time.Millisecond)
+	s.mu.Lock()
+	active := s.active[Read]
+	s.mu.Unlock()
+	if active != 1 {
+		t.Errorf("%d reads in flight beside the profile fetch, want 1", active)
+	}
+	g.open()
+	if err := prof[0].Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for range cs[1:] {
+		if r := wait(t, reads, "read"); r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+}
+
+// TestLinkBackgroundLimit: the limit is half the measured bandwidth-delay
+// product in fetches, at least one, at most the workers.
+func TestLinkBackgroundLimit(t *testing.T) {
+	var l link
+	if n := l.backgroundLimit(12); n != 1 {
+		t.Errorf("unmeasured: %d, want 1", n)
+	}
+	// 1 MiB fetches taking 50 ms each, 40 of them per 250 ms window:
+	// 160 MiB/s over a 50 ms round trip is 8 MiB in flight, 4 fetches
+	// for half of it.
+	now := time.Unix(0, 0)
+	for range 400 {
+		now = now.Add(250 * time.Millisecond / 40)
+		l.done(1<<20, 50*time.Millisecond, now)
+	}
+	if n := l.backgroundLimit(12); n != 4 {
+		t.Errorf("160 MiB/s, 50 ms: limit %d (rate %.0f MiB/s, min %v), want 4", n, l.rate/(1<<20), l.minTook)
+	}
+	if n := l.backgroundLimit(2); n != 2 {
+		t.Errorf("capped at the workers: %d, want 2", n)
+	}
+}
