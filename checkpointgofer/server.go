@@ -29,7 +29,7 @@ var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": 
 // stateipc server: the gofer holds no buffer of its own.
 const (
 	maxIOBytes  = 1 << 20
-	maxParallel = 48
+	maxParallel = 16
 )
 
 // server implements stateipc.AsyncFileServerImpl: reads from a

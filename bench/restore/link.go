@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -35,7 +36,13 @@ type Proxy struct {
 	wg       sync.WaitGroup
 	ctx      context.Context
 	cancel   context.CancelFunc
+	// delivered counts the bytes delivered from upstream to clients.
+	delivered atomic.Int64
 }
+
+// Delivered returns the bytes delivered from upstream to the proxy's
+// clients so far (what crossed the link, not what upstream sent into it).
+func (p *Proxy) Delivered() int64 { return p.delivered.Load() }
 
 // StartProxy listens on a free loopback port and forwards to upstream.
 func StartProxy(upstream string, link Link) (*Proxy, error) {
@@ -79,8 +86,8 @@ func (p *Proxy) accept() {
 			continue
 		}
 		p.wg.Add(2)
-		go p.pipe(u, c, p.up)
-		go p.pipe(c, u, p.down)
+		go p.pipe(u, c, p.up, nil)
+		go p.pipe(c, u, p.down, &p.delivered)
 	}
 }
 
@@ -91,7 +98,7 @@ type segment struct {
 
 // pipe copies src to dst, delaying every segment by RTT/2 and pacing it
 // through the direction's shared limiter.
-func (p *Proxy) pipe(dst, src net.Conn, lim *rate.Limiter) {
+func (p *Proxy) pipe(dst, src net.Conn, lim *rate.Limiter, count *atomic.Int64) {
 	defer p.wg.Done()
 	q := make(chan segment, 1024)
 	go func() {
@@ -124,6 +131,9 @@ func (p *Proxy) pipe(dst, src net.Conn, lim *rate.Limiter) {
 		if _, err := dst.Write(s.data); err != nil {
 			io.Copy(io.Discard, src)
 			return
+		}
+		if count != nil {
+			count.Add(int64(len(s.data)))
 		}
 	}
 }

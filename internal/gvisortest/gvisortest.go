@@ -92,10 +92,13 @@ hot = []
 page = 4096
 if sys.argv[4] == "regions":
     # 5% of the buffer in 4 regions at random page-aligned places.
+    # Random places, the same for every run of one size: benchmarks
+    # compare restores of apps laid out alike.
+    import random
+    rnd = random.Random(n)
     size = (n // 20 // 4) // page * page
-    rnd = int.from_bytes(os.urandom(8), "little")
     for i in range(4):
-        start = (rnd >> (16 * i)) % max(1, (n - size) // page) * page
+        start = rnd.randrange(max(1, (n - size) // page)) * page
         hot.append((start, start + size, page))
 elif sys.argv[4] == "scattered":
     # One page in every 20: 5% of the pages, in every part of the buffer.
@@ -208,7 +211,8 @@ type AppOptions struct {
 	// HotSet makes the app read a hot set of its buffer (one byte of each
 	// of its pages) before every count line, as an app answering a
 	// request reads its live objects: HotRegions (5% of the buffer in 4
-	// contiguous regions at random places) or HotScattered (5% of the
+	// contiguous regions at random places, the same for each size) or
+	// HotScattered (5% of the
 	// pages, one in every 20, spread over the whole buffer). Default:
 	// none.
 	HotSet HotSet

@@ -92,8 +92,10 @@ const (
 	// large pieces, many at once.
 	Read
 	// Profile is a chunk a working-set profile says the sandbox will wait
-	// on soon (puller/profile), fetched in the profile's order, ahead of
-	// the background loader's reads.
+	// on soon (puller/profile), fetched in the profile's order: behind
+	// reads while the sandbox is being restored (runsc restore waits on
+	// the first reads of its loader), ahead of them once it runs (from
+	// its first fault on).
 	Profile
 	// Fault is a read the sandbox's application is blocked on (a page
 	// fault: a short read, see imagefs.FaultBelow), served newest first.
@@ -162,6 +164,10 @@ type Scheduler struct {
 	// link estimates the link from the fetches done, to bound the
 	// background fetches while urgent ones run.
 	link link
+	// running is set at the first fault: the sandbox runs. Before it,
+	// reads go ahead of profile chunks (the restore itself waits on
+	// them); after it, profile chunks go ahead of reads.
+	running bool
 
 	wg sync.WaitGroup
 }
@@ -414,10 +420,13 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	if s.closed {
 		return nil, ErrClosed
 	}
+	if prio == Fault {
+		s.running = true
+	}
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
 		cl.demand = cl.demand || prio.isDemand()
-		if prio > cl.prio && !cl.started {
+		if s.ahead(prio, cl.prio) && !cl.started {
 			// Promote a queued call; its entry in the lower queue is
 			// skipped when met.
 			cl.prio = prio
@@ -453,12 +462,12 @@ func (s *Scheduler) next() (*call, Priority) {
 		if s.closed {
 			return nil, 0
 		}
-		urgent := s.active[Fault]+s.active[Profile] > 0
-		for p := numPriorities - 1; p >= 0; p-- {
+		urgent := s.active[Fault] > 0 || s.running && s.active[Profile] > 0
+		for _, p := range s.order() {
 			if p == Prefetch && (s.active[Fault]+s.active[Profile]+s.active[Read] > 0) {
 				break
 			}
-			if p <= Read && urgent && s.active[Read]+s.active[Prefetch] >= s.link.backgroundLimit(s.opts.Workers) {
+			if (p == Read || p == Prefetch || p == Profile && !s.running) && urgent && s.background() >= s.link.backgroundLimit(s.opts.Workers) {
 				break
 			}
 			if cl := s.pop(p); cl != nil {
@@ -473,6 +482,36 @@ func (s *Scheduler) next() (*call, Priority) {
 		}
 		s.cond.Wait()
 	}
+}
+
+// order is the order the queues are served in (see next).
+func (s *Scheduler) order() [numPriorities]Priority {
+	if s.running {
+		return [...]Priority{Fault, Profile, Read, Prefetch}
+	}
+	return [...]Priority{Fault, Read, Profile, Prefetch}
+}
+
+// ahead reports whether queue a is served before queue b.
+func (s *Scheduler) ahead(a, b Priority) bool {
+	for _, p := range s.order() {
+		switch p {
+		case a:
+			return a != b
+		case b:
+			return false
+		}
+	}
+	return false
+}
+
+// background counts the fetches in flight that no sandbox waits on now.
+func (s *Scheduler) background() int {
+	n := s.active[Read] + s.active[Prefetch]
+	if !s.running {
+		n += s.active[Profile]
+	}
+	return n
 }
 
 // MaxCoalesce bounds the stored bytes of the frames one range request

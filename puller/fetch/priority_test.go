@@ -65,36 +65,50 @@ func TestPriorityOrder(t *testing.T) {
 	}
 }
 
-// TestBackgroundBoundedWhileUrgent: while a profile's chunk is being
+// TestBackgroundBoundedWhileUrgent: before the sandbox runs (no fault
+// yet), a profile's chunk in flight holds no read back: the restore waits
+// on its loader's reads. Once it faults, while a profile's chunk is being
 // fetched, reads keep at most the link's background limit in flight (one,
 // with nothing measured yet); once it is in, they all go.
 func TestBackgroundBoundedWhileUrgent(t *testing.T) {
-	c, codec := setup(t)
-	cs, b := rawChunks(2, 5, 4096)
-	g := newGate(b)
-	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
-	ctx := context.Background()
-	prof := s.FetchProfile(cs[:1])
-	wait(t, g.entered, "the profile fetch")
-	reads := make(chan result, 4)
-	for _, ch := range cs[1:] {
-		go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
-	}
-	// Give the idle workers every chance to take more reads than allowed.
-	time.Sleep(200 * time.Millisecond)
-	s.mu.Lock()
-	active := s.active[Read]
-	s.mu.Unlock()
-	if active != 1 {
-		t.Errorf("%d reads in flight beside the profile fetch, want 1", active)
-	}
-	g.open()
-	if err := prof[0].Wait(ctx); err != nil {
-		t.Fatal(err)
-	}
-	for range cs[1:] {
-		if r := wait(t, reads, "read"); r.err != nil {
-			t.Fatal(r.err)
+	for _, running := range []bool{false, true} {
+		c, codec := setup(t)
+		cs, b := rawChunks(2, 6, 4096)
+		g := newGate(b)
+		s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
+		ctx := context.Background()
+		var fault <-chan result
+		if running {
+			fault = get(s, ctx, cs[5])
+		}
+		prof := s.FetchProfile(cs[:1])
+		wait(t, g.entered, "the first fetch")
+		reads := make(chan result, 4)
+		for _, ch := range cs[1:5] {
+			go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
+		}
+		// Give the idle workers every chance to take more reads than
+		// allowed.
+		time.Sleep(200 * time.Millisecond)
+		s.mu.Lock()
+		active := s.active[Read]
+		s.mu.Unlock()
+		if want := map[bool]int{false: 3, true: 1}[running]; active != want {
+			t.Errorf("sandbox running %v: %d reads in flight beside the profile fetch, want %d", running, active, want)
+		}
+		g.open()
+		if err := prof[0].Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for range cs[1:5] {
+			if r := wait(t, reads, "read"); r.err != nil {
+				t.Fatal(r.err)
+			}
+		}
+		if fault != nil {
+			if r := wait(t, fault, "fault"); r.err != nil {
+				t.Fatal(r.err)
+			}
 		}
 	}
 }

@@ -10,20 +10,25 @@ import (
 // Classifier tells the reads of pages.img a sandbox waits on (gVisor's
 // priority reads: the mapping windows around page faults, up to 32 MiB
 // each, anywhere in the file) from its background sweep. The sweep reads
-// the file in ascending order and skips what priority reads asked for
-// (and pages freed before they were loaded, which nobody asks for); so a
-// read is the sweep's if it starts where the sweep's last read ended, past
-// only bytes already asked for and at most SweepGap bytes nobody asked
-// for (a fault that close to the sweep is taken for it: its bytes come
-// next anyway). Any other read is a fault. Freed ranges of more than
-// SweepGap in all leave the rest of the sweep classified as faults:
-// served first, newest first, with the app's real faults among them.
-// Reads must be classified in the order the sentry submits them. It is
-// not safe for concurrent use.
+// the file in ascending order, each read starting at the lowest offset
+// not read yet: it skips what priority reads asked for, and pages freed
+// before they were loaded, which nobody asks for. So a read is the
+// sweep's if it starts at the frontier (where the sweep's last read
+// ended, moved past what was asked for since), or past at most SweepGap
+// bytes nobody asked for (a fault that close to the sweep is taken for
+// it: its bytes come next anyway). Such a read moves the frontier only
+// once the next read taken for the sweep continues it: then it was the
+// sweep past freed pages, not a fault just ahead of it. Any other read
+// is a fault. Freed ranges of more than SweepGap at once leave the rest
+// of the sweep classified as faults: served first, newest first, with
+// the app's real faults among them. Reads must be classified in the
+// order the sentry submits them. It is not safe for concurrent use.
 type Classifier struct {
 	// frontier is where the sweep's next read starts: the end of its last
 	// read, moved past what was asked for since.
 	frontier int64
+	// lastRead is the end of the last read taken for the sweep.
+	lastRead int64
 	// asked are the ranges asked for, sorted, disjoint, not adjacent.
 	asked []span
 }
@@ -45,11 +50,18 @@ func (c *Classifier) Classify(off, n int64) fetch.Priority {
 	switch {
 	case gap == 0:
 		prio, c.frontier = fetch.Read, off+n
+		c.lastRead = off + n
 	case gap > 0 && gap <= SweepGap:
 		// The sweep past freed pages, or a fault just ahead of it: taken
-		// for the sweep, but the frontier stays, so that the sweep's own
-		// next read is not taken for a fault if this was one.
+		// for the sweep. The frontier moves only if this read continues
+		// the last one taken for the sweep (the sweep goes on past a
+		// hole), so that the sweep's own next read is not taken for a
+		// fault if this one was a fault.
 		prio = fetch.Read
+		if off == c.lastRead {
+			c.frontier = off + n
+		}
+		c.lastRead = off + n
 	}
 	// Past what priority reads have asked for: the sweep skips it.
 	if i := c.find(c.frontier); i < len(c.asked) && c.asked[i].start <= c.frontier {

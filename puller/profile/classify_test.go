@@ -51,3 +51,31 @@ func TestClassifier(t *testing.T) {
 		t.Errorf("sweep read after the fault window: %v, want read", got)
 	}
 }
+
+// TestClassifierSweepPastHole: once the sweep has skipped freed pages (a
+// hole not on a read boundary), it goes on being taken for the sweep, and
+// a fault behind it is a fault again: before, the frontier stayed at the
+// hole, and every read up to SweepGap past it, the app's faults behind the
+// sweep among them, was taken for the sweep.
+func TestClassifierSweepPastHole(t *testing.T) {
+	var c Classifier
+	mib := int64(1 << 20)
+	hole := int64(56 << 10)
+	for off := int64(0); off < 4*mib; off += mib {
+		if got := c.Classify(off, mib); got != fetch.Read {
+			t.Fatalf("sweep read at %d: %v", off, got)
+		}
+	}
+	for off := 4*mib + hole; off < 40*mib; off += mib {
+		if got := c.Classify(off, mib); got != fetch.Read {
+			t.Fatalf("sweep read past the hole at %d: %v", off, got)
+		}
+	}
+	// A fault far behind the sweep, well within SweepGap of the hole.
+	if got := c.Classify(10*mib-hole, mib); got != fetch.Fault {
+		t.Errorf("fault behind the sweep: %v, want fault", got)
+	}
+	if got := c.Classify(40*mib+hole, mib); got != fetch.Read {
+		t.Errorf("the sweep after the fault: %v, want read", got)
+	}
+}
