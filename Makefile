@@ -6,7 +6,7 @@
 #   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
 #   make bench   benchmarks: pack and dedup, push/pull vs oras, the puller; results go in docs/benchmarks.md
 #   make bench-load  32 concurrent pullers against one registry and two replicas
-#   make bench-restore  real runsc restores (local, oras pull, cryo gofer and FUSE) and pauses (cryo checkpoint vs runsc checkpoint + cryo push)
+#   make bench-restore  real runsc restores (local, oras pull, cryo gofer and FUSE; an app with a hot set, with and without its working-set profile) and pauses (cryo checkpoint vs runsc checkpoint + cryo push)
 #   make gofer   cryo's gVisor checkpoint gofer into bin/cryo-gofer/ (make build runs it)
 
 SHELL      := /bin/bash
@@ -104,6 +104,7 @@ clean:
 # chart go in docs/benchmarks.md.
 bench-restore: build deps
 	$(GO) test ./bench/restore -run '^$$' -bench Restore -benchtime 1x -timeout 120m -chart $(CURDIR)/docs/restore-loopback.png
+	$(GO) test ./bench/restore -run '^$$' -bench Profile -benchtime 1x -timeout 180m -reps 5
 	$(GO) test ./bench/pause -run '^$$' -bench Pause -benchtime 1x -timeout 60m
 
 # Many pullers against one registry and two replicas: 32 pullers fetching

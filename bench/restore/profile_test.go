@@ -99,7 +99,12 @@ func BenchmarkProfile(b *testing.B) {
 				key := fmt.Sprintf("%s|%d|%s", hot, mib, link.Name)
 				recorded := filepath.Join(b.TempDir(), "profile.json")
 				restore := func(path string) profSample {
-					work := b.TempDir()
+					// Removed after each restore: a 2 GiB app's copies add up.
+					work, err := os.MkdirTemp("", "cryo-bench-profile-")
+					if err != nil {
+						b.Fatal(err)
+					}
+					defer os.RemoveAll(work)
 					if err := benchutil.DropCaches(); err != nil {
 						b.Fatal(err)
 					}

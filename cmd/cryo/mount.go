@@ -103,6 +103,10 @@ func newMountCmd() *cobra.Command {
 	var (
 		pf            pullerFlags
 		recordProfile string
+		backend       string
+		runsc         string
+		goferDir      string
+		goferLog      string
 	)
 	cmd := &cobra.Command{
 		Use:   "mount REF DIR",
@@ -121,9 +125,20 @@ before DIR is ready. --record-profile FILE writes the working set the
 sandbox restoring from DIR waited on, once the snapshot is loaded and again
 at unmount.
 
-Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
+Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.
+
+With --backend gofer, DIR holds only gcs_opts.json and no FUSE mount is
+made: runsc reads the snapshot through cryo's checkpoint gofer (of the
+release of --runsc, found in --gofer-dir) straight into the sandbox's
+memory, and this process serves it. Run runsc restore with the
+environment variable the "env:" line prints, which points runsc at cryo's
+gofer for that command only (never install it as runsc's own).`,
 		Example: `  cryo mount localhost:5000/app:v1 /run/cryo/app &
-  runsc restore --background --image-path=/run/cryo/app ...`,
+  runsc restore --background --image-path=/run/cryo/app ...
+
+  cryo mount --backend gofer localhost:5000/app:v1 /run/cryo/app
+  # ready: ... env: GVISOR_SIDECAR_BINARIES_DIR=/tmp/cryo-gofer-1234/sidecars
+  GVISOR_SIDECAR_BINARIES_DIR=/tmp/cryo-gofer-1234/sidecars runsc restore --background --image-path=/run/cryo/app ...`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -138,15 +153,30 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 			if err != nil {
 				return err
 			}
-			m, err := p.Mount(ctx, src, args[1])
-			if err != nil {
-				return err
+			var m *puller.Mount
+			var g *restore.GoferMount
+			switch backend {
+			case "fuse":
+				if m, err = p.Mount(ctx, src, args[1]); err != nil {
+					return err
+				}
+			case "gofer":
+				g, err = restore.ServeGofer(ctx, p, src, args[1], restore.Options{Runsc: runsc, GoferDir: goferDir, GoferLog: absPath(goferLog), Name: args[0]})
+				if err != nil {
+					return err
+				}
+				m = g.Mount()
+			default:
+				return fmt.Errorf("--backend %q: want fuse or gofer", backend)
 			}
 			pr := m.Progress()
 			if pr.Profile != nil {
 				fmt.Fprintf(cmd.ErrOrStderr(), "cryo: %s\n", profileLine(pr.Profile))
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "ready: %s at %s (%s, %s, %.0f ms)\n", src.Index.Digest, args[1], pr.Mode, humanBytes(pr.TotalBytes), pr.ReadySeconds*1000)
+			if g != nil {
+				fmt.Fprintf(cmd.OutOrStdout(), "env: %s\n", g.Env())
+			}
 			record := func() {
 				if recordProfile == "" {
 					return
@@ -168,7 +198,12 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 			case <-ctx.Done():
 			}
 			record()
-			if err := m.Unmount(); err != nil {
+			if g != nil {
+				err = g.Close()
+			} else {
+				err = m.Unmount()
+			}
+			if err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "unmounted %s\n", args[1])
@@ -177,6 +212,10 @@ Without /dev/fuse (or with --no-fuse) it pulls the whole snapshot first.`,
 	}
 	pf.register(cmd, withCredentials)
 	cmd.Flags().StringVar(&recordProfile, "record-profile", "", "write the working set the restoring sandbox waited on to this file (once loaded, and at unmount), for --profile FILE or cryo profile push")
+	cmd.Flags().StringVar(&backend, "backend", "fuse", "how runsc reads DIR: fuse (a lazy FUSE mount) or gofer (gcs_opts.json for cryo's checkpoint gofer: no FUSE; run runsc with the printed env)")
+	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "with --backend gofer: the runsc that will restore (its release must match the gofer's)")
+	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "with --backend gofer: dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
+	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "with --backend gofer: file the gofer appends its log to")
 	return cmd
 }
 
@@ -275,7 +314,11 @@ to the snapshot in its repository (the node needs push access).`,
 			if err != nil {
 				return err
 			}
-			if res.Profile == nil || (recordProf == "" && !publish) {
+			if recordProf == "" && !publish {
+				return nil
+			}
+			if res.Profile == nil {
+				fmt.Fprintf(msg, "cryo: the snapshot was read from its materialized copy on this node: no working set recorded\n")
 				return nil
 			}
 			if recordProf != "" {

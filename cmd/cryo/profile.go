@@ -21,7 +21,7 @@ import (
 )
 
 // profileHelp explains --profile in every command that takes it.
-const profileHelp = `working-set profile to fetch first: "auto" (the snapshot's newest profiles in its repository, merged; none there costs nothing), "none", a profile's manifest digest (sha256:...), or a profile file (cryo restore --record-profile)`
+const profileHelp = `working-set profile to fetch first: "auto" (the snapshot's newest profiles in its repository, merged; a repository without any costs one request, made while the tables load), "none", a profile's manifest digest (sha256:...), or a profile file (cryo restore --record-profile)`
 
 // finder returns how the profile choice finds a profile of a snapshot in
 // repository repo of ref.

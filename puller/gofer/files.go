@@ -37,6 +37,11 @@ const (
 // memory for a request.
 const MaxRange = 16 << 20
 
+// MaxRequestsPerMount bounds the GETs of one mount served at once (a
+// gofer makes 16); more wait for a turn. With MaxRange it bounds the
+// memory one mount's readers can make the server hold.
+const MaxRequestsPerMount = 32
+
 // Files is a mounted snapshot's files as a presenter reads them
 // (puller.Mount implements it).
 type Files interface {
@@ -56,12 +61,47 @@ func RegisterFiles(mux *http.ServeMux, lookup Lookup) {
 	// Buffers of the usual read's size (the gofer reads 1 MiB at a time)
 	// are used again, not allocated per request.
 	bufs := &sync.Pool{New: func() any { b := make([]byte, 0, 1<<20); return &b }}
-	h := func(w http.ResponseWriter, r *http.Request) { serveFile(w, r, lookup, bufs) }
+	turns := &turns{byMount: map[string]chan struct{}{}}
+	h := func(w http.ResponseWriter, r *http.Request) { serveFile(w, r, lookup, bufs, turns) }
 	mux.HandleFunc("GET /v1/mounts/{id}/files/{path...}", h)
 	mux.HandleFunc("HEAD /v1/mounts/{id}/files/{path...}", h)
 }
 
-func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync.Pool) {
+// turns bounds the requests served at once per mount id.
+type turns struct {
+	mu      sync.Mutex
+	byMount map[string]chan struct{}
+}
+
+// take waits for a turn of mount id (nil if ctx ends first); give the
+// turn back with give.
+func (t *turns) take(ctx context.Context, id string) chan struct{} {
+	t.mu.Lock()
+	c, ok := t.byMount[id]
+	if !ok {
+		c = make(chan struct{}, MaxRequestsPerMount)
+		t.byMount[id] = c
+	}
+	t.mu.Unlock()
+	select {
+	case c <- struct{}{}:
+		return c
+	case <-ctx.Done():
+		return nil
+	}
+}
+
+// give returns a turn taken from c.
+func (t *turns) give(id string, c chan struct{}) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	<-c
+	if len(c) == 0 && t.byMount[id] == c {
+		delete(t.byMount, id)
+	}
+}
+
+func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync.Pool, turns *turns) {
 	files, d, ok := lookup(r.PathValue("id"))
 	if !ok {
 		http.Error(w, "no mount "+r.PathValue("id"), http.StatusNotFound)
@@ -94,6 +134,12 @@ func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync
 		http.Error(w, fmt.Sprintf("%s %q: want fault or read", PriorityHeader, p), http.StatusBadRequest)
 		return
 	}
+	id := r.PathValue("id")
+	turn := turns.take(r.Context(), id)
+	if turn == nil {
+		return // the client went away
+	}
+	defer turns.give(id, turn)
 	bp := bufs.Get().(*[]byte)
 	defer bufs.Put(bp)
 	if int64(cap(*bp)) < end-start {

@@ -19,13 +19,13 @@ const DefaultRecordFor = 30 * time.Second
 
 // Recorder records a restore's working set: the reads a sandbox waited
 // on, in first-access order, from when it started (the mount's start)
-// until For after the first read of pages.img, at most MaxRanges ranges.
+// until recFor after the first read of pages.img, at most MaxRanges
+// ranges.
 // Reads of bytes already recorded add nothing. It is safe for concurrent
 // use.
 type Recorder struct {
-	subject digest.Digest
-	start   time.Time
-	recFor  time.Duration
+	start  time.Time
+	recFor time.Duration
 
 	mu sync.Mutex
 	// until is when recording stops, set at the first read of pages.img.
@@ -46,7 +46,7 @@ func NewRecorder(subject digest.Digest, start time.Time, recFor time.Duration) *
 	if recFor <= 0 {
 		recFor = DefaultRecordFor
 	}
-	return &Recorder{subject: subject, start: start, recFor: recFor, p: Profile{MediaType: MediaType, Subject: subject}, now: time.Now}
+	return &Recorder{start: start, recFor: recFor, p: Profile{MediaType: MediaType, Subject: subject}, now: time.Now}
 }
 
 // Waited records a read of n bytes at off of the file path that a sandbox

@@ -10,6 +10,7 @@ import (
 	"os"
 	"sort"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -163,7 +164,8 @@ type Finder interface {
 // newest MaxMerged that are valid.
 type Auto struct{ Repo Repository }
 
-// Find implements Finder.
+// Find implements Finder. Profiles are fetched MaxMerged at a time, at
+// once: each is two round trips.
 func (a Auto) Find(ctx context.Context, subject ocispec.Descriptor) (*Profile, Info, []string, error) {
 	descs, err := List(ctx, a.Repo, subject)
 	if err != nil {
@@ -172,21 +174,33 @@ func (a Auto) Find(ctx context.Context, subject ocispec.Descriptor) (*Profile, I
 	var ps []*Profile
 	var warnings []string
 	var info Info
-	for _, d := range descs {
-		if len(ps) == MaxMerged {
-			break
+	for len(descs) > 0 && len(ps) < MaxMerged {
+		batch := descs[:min(len(descs), MaxMerged-len(ps))]
+		descs = descs[len(batch):]
+		got := make([]*Profile, len(batch))
+		errs := make([]error, len(batch))
+		var wg sync.WaitGroup
+		for i, d := range batch {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				got[i], errs[i] = Fetch(ctx, a.Repo, d, subject.Digest)
+			}()
 		}
-		p, err := Fetch(ctx, a.Repo, d, subject.Digest)
-		if err != nil {
-			warnings = append(warnings, fmt.Sprintf("profile %s ignored: %v", d.Digest, err))
-			continue
+		wg.Wait()
+		for i, d := range batch {
+			if errs[i] != nil {
+				warnings = append(warnings, fmt.Sprintf("profile %s ignored: %v", d.Digest, errs[i]))
+				continue
+			}
+			if len(ps) == 0 {
+				info.Digest = d.Digest
+			}
+			ps = append(ps, got[i])
 		}
-		if len(ps) == 0 {
-			info.Digest = d.Digest
-		}
-		ps = append(ps, p)
 	}
-	return merged(ps), info.withCounts(ps), warnings, nil
+	m := merged(ps)
+	return m, info.of(m, len(ps)), warnings, nil
 }
 
 // ByDigest finds the profile whose manifest has this digest in the
@@ -209,7 +223,7 @@ func (b ByDigest) Find(ctx context.Context, subject ocispec.Descriptor) (*Profil
 		return nil, Info{}, nil, err
 	}
 	info := Info{Digest: b.Digest}
-	return p, info.withCounts([]*Profile{p}), nil, nil
+	return p, info.of(p, 1), nil, nil
 }
 
 // File is a profile in a local file.
@@ -229,7 +243,7 @@ func (f File) Find(ctx context.Context, subject ocispec.Descriptor) (*Profile, I
 		return nil, Info{}, nil, fmt.Errorf("%s is a profile of snapshot %s, not %s: %w", f, p.Subject, subject.Digest, ErrInvalid)
 	}
 	info := Info{Digest: digest.FromBytes(data)}
-	return p, info.withCounts([]*Profile{p}), nil, nil
+	return p, info.of(p, 1), nil, nil
 }
 
 // ReadFile reads a profile file, at most MaxSize bytes of it.
@@ -260,12 +274,11 @@ func merged(ps []*Profile) *Profile {
 	return Merge(ps...)
 }
 
-// withCounts fills in the counts of i for the profiles ps merged.
-func (i Info) withCounts(ps []*Profile) Info {
-	if len(ps) == 0 {
+// of fills in i for the profile p, merged from n (nil: none).
+func (i Info) of(p *Profile, n int) Info {
+	if p == nil {
 		return Info{}
 	}
-	m := merged(ps)
-	i.Merged, i.Ranges, i.Bytes = len(ps), len(m.Ranges), m.Bytes()
+	i.Merged, i.Ranges, i.Bytes = n, len(p.Ranges), p.Bytes()
 	return i
 }

@@ -83,3 +83,43 @@ func (g *goferMount) close() error {
 func (r *run) releaseGofer(g *goferMount) {
 	r.report(Unmounted, g.m.Dir(), g.close())
 }
+
+// GoferMount is a snapshot served to cryo's checkpoint gofer by this
+// process, for a runsc that the caller runs: `cryo mount --backend gofer`.
+type GoferMount struct{ g *goferMount }
+
+// ServeGofer checks that opts.GoferDir holds a gofer of the release of
+// the runsc at opts.Runsc, mounts src for it at dir (puller.MountFiles),
+// serves the mount's file API on a private socket and writes dir's
+// gcs_opts.json. Restore from dir with runsc restore --image-path=dir
+// and Env in runsc's environment. The snapshot materializes once every
+// chunk is local. opts.Name names it in the config; opts.GoferLog is the
+// gofer's log.
+func ServeGofer(ctx context.Context, p *puller.Puller, src puller.Source, dir string, opts Options) (*GoferMount, error) {
+	v, err := RunscVersion(ctx, opts.Runsc)
+	if err != nil {
+		return nil, err
+	}
+	if err := gofer.Check(ctx, opts.GoferDir, v); err != nil {
+		return nil, err
+	}
+	if opts.Name == "" {
+		opts.Name = src.Index.Digest.String()
+	}
+	g, err := startGofer(ctx, p, src, dir, opts)
+	if err != nil {
+		return nil, err
+	}
+	g.sandboxLoaded()
+	return &GoferMount{g}, nil
+}
+
+// Mount is the mount the gofer reads.
+func (g *GoferMount) Mount() *puller.Mount { return g.g.m }
+
+// Env is the variable that points runsc at cryo's gofer
+// (GVISOR_SIDECAR_BINARIES_DIR=...), for runsc restore's environment.
+func (g *GoferMount) Env() string { return g.g.session.Env() }
+
+// Close stops serving, unmounts and removes the image dir's config.
+func (g *GoferMount) Close() error { return g.g.close() }

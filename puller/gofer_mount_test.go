@@ -1,0 +1,100 @@
+package puller_test
+
+import (
+	"bufio"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/internal/gvisortest"
+	"github.com/cryo-oci/cryo/puller/gofer"
+)
+
+// TestMountThroughGofer: `cryo mount --backend gofer` makes an image dir of
+// gcs_opts.json alone and no FUSE mount, prints the environment that
+// points runsc at cryo's gofer, and a runsc restore run by the caller with
+// it continues the app with its memory unchanged; at SIGTERM the mount
+// ends cleanly and the dir is gone.
+func TestMountThroughGofer(t *testing.T) {
+	e := newRestoreEnv(t)
+	gvisortest.GoferDir(t)
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32})
+	app.NextCount(t)
+	hash := app.StartHash()
+	img := app.Checkpoint(t)
+	last := app.LastCount()
+	ref := e.reg.Addr + "/app:gofermount"
+	e.push(t, img, ref)
+
+	dir := filepath.Join(t.TempDir(), "img")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	mount := e.command(ctx, "mount", "--backend", "gofer", "--runsc", e.runsc, "--cache", e.cacheDir, ref, dir)
+	mount.Cancel = func() error { return mount.Process.Signal(syscall.SIGTERM) }
+	mount.WaitDelay = 20 * time.Second
+	stdout, err := mount.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	mount.Stderr = &stderr
+	if err := mount.Start(); err != nil {
+		t.Fatal(err)
+	}
+	envc := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if v, ok := strings.CutPrefix(sc.Text(), "env: "); ok {
+				envc <- v
+			}
+		}
+		close(envc)
+	}()
+	var env string
+	select {
+	case env = <-envc:
+	case <-time.After(2 * time.Minute):
+	}
+	if !strings.HasPrefix(env, "GVISOR_SIDECAR_BINARIES_DIR=") {
+		cancel()
+		mount.Wait()
+		t.Fatalf("cryo mount --backend gofer printed no env line (got %q):\n%s", env, stderr.String())
+	}
+	ents, _ := os.ReadDir(dir)
+	if len(ents) != 1 || ents[0].Name() != gofer.ConfigFile {
+		t.Errorf("image dir holds %v, want %s alone", ents, gofer.ConfigFile)
+	}
+	if mps := mountsUnder(t, filepath.Dir(dir)); len(mps) != 0 {
+		t.Errorf("gofer mount made FUSE mounts %v", mps)
+	}
+	restore := app.Command("restore", "--detach", "--background", "--bundle="+app.BundleDir(), "--image-path="+dir, app.ID())
+	restore.Env = append(os.Environ(), env)
+	rc := app.StartRestoreWith(t, restore)
+	if n := app.NextCount(t); n != last+1 {
+		t.Errorf("restored app counts %d, want %d", n, last+1)
+	}
+	if h := app.Hash(t); h != hash {
+		t.Errorf("memory hash after restore %s, at start %s", h, hash)
+	}
+	if err := rc.Wait(time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := app.Command("wait", "--restore", app.ID()).CombinedOutput(); err != nil {
+		t.Fatalf("runsc wait --restore: %v\n%s", err, out)
+	}
+	cancel()
+	if err := mount.Wait(); err != nil {
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 0 {
+			t.Errorf("cryo mount after SIGTERM: %v\n%s", err, stderr.String())
+		}
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("image dir %s left after the mount ended: %v", dir, err)
+	}
+}
