@@ -138,9 +138,10 @@ type Source struct {
 	Profile profile.Finder
 }
 
-// profileLookupTimeout bounds how long a load waits for its profile
-// lookup once its tables are in.
-const profileLookupTimeout = 10 * time.Second
+// profileLookupTimeout bounds a load's profile lookup, which runs beside
+// the loading of its tables: one that has not answered by then is
+// canceled and the load goes on without a profile.
+const profileLookupTimeout = 5 * time.Second
 
 // FUSEAvailable reports whether this node can mount FUSE filesystems.
 func FUSEAvailable() bool {
@@ -309,13 +310,16 @@ func (l *load) findProfile(ctx context.Context) <-chan foundProfile {
 	}
 	c := make(chan foundProfile, 1)
 	go func() {
+		ctx, cancel := context.WithTimeout(ctx, profileLookupTimeout)
+		defer cancel()
 		p, info, warnings, err := l.src.Profile.Find(ctx, l.src.Index)
 		c <- foundProfile{p, info, warnings, err}
 	}()
 	return c
 }
 
-// useProfile waits (a bounded time) for the profile lookup and queues the
+// useProfile waits for the profile lookup (bounded by
+// profileLookupTimeout) and queues the
 // chunks of the profile's ranges at fetch.Profile, in its order. A
 // profile that is missing, late or unusable is logged, never an error.
 func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
@@ -325,10 +329,7 @@ func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
 	log := l.p.opts.Logger
 	var f foundProfile
 	select {
-	case f = <-c:
-	case <-time.After(profileLookupTimeout):
-		log.Warn("profile lookup too slow: loading without a profile", "snapshot", l.src.Index.Digest, "waited", profileLookupTimeout)
-		return
+	case f = <-c: // within profileLookupTimeout
 	case <-ctx.Done():
 		return
 	}
@@ -626,7 +627,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		materializeAfter = closed
 	}
 	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter,
-		rec: profile.NewRecorder(src.Index.Digest, start, p.opts.RecordFor)}
+		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor)}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
@@ -701,7 +702,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	root := imagefs.New(m.files, p.cache, imagefs.Sources{
 		Fault: scheduled{s: l.sched, prio: fetch.Fault},
 		Read:  scheduled{s: l.sched, prio: fetch.Read},
-	}, &m.fsStats, p.opts.ReadLog, m.rec.Read)
+	}, &m.fsStats, p.opts.ReadLog, m.observeFUSE)
 	server, err := fs.Mount(dir, root, imagefs.MountOptions("cryo:"+src.Index.Digest.Encoded()[:12]))
 	if err != nil {
 		m.close()
@@ -747,8 +748,11 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 	// (small files are fetched before the mount is ready anyway).
 	switch {
 	case m.files != nil && m.files[i].Data != nil:
-	case prio >= fetch.Fault || path != format.PagesFile:
+	case path != format.PagesFile:
 		m.rec.Waited(path, off, int64(len(p)))
+	case prio >= fetch.Fault:
+		m.rec.Waited(path, off, int64(len(p)))
+		m.sandboxFaulted()
 	default:
 		m.rec.Swept()
 	}
@@ -872,6 +876,24 @@ func (m *Mount) Digest() digest.Digest { return m.l.src.Index.Digest }
 
 // Snapshot is the mounted snapshot.
 func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
+
+// observeFUSE is told of every FUSE read of a lazy file: it records the
+// working set, and a page fault's read of pages.img (shorter than
+// imagefs.FaultBelow, as imagefs serves it) tells the scheduler the
+// sandbox runs.
+func (m *Mount) observeFUSE(path string, off, n int64) {
+	m.rec.Read(path, off, n)
+	if path == format.PagesFile && n < imagefs.FaultBelow {
+		m.sandboxFaulted()
+	}
+}
+
+// sandboxFaulted tells the load's scheduler that the sandbox runs.
+func (m *Mount) sandboxFaulted() {
+	if m.l.sched != nil {
+		m.l.sched.SandboxFaulted()
+	}
+}
 
 // Profile returns the working set recorded so far: the reads the sandbox
 // waited on (page-fault windows of pages.img, and the lazy reads of other

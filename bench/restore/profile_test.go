@@ -65,7 +65,7 @@ func BenchmarkProfile(b *testing.B) {
 	links := parseLinks(b, *linksFlag)
 	hotSets := strings.Split(*hotSetsFlag, ",")
 	res := map[string][]profSample{} // hot|size|link|path
-	ws := map[string]int64{}          // hot|size|link: the working set recorded
+	ws := map[string]int64{}         // hot|size|link: the working set recorded
 	for _, hot := range hotSets {
 		for _, mib := range sizes {
 			app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib, Interval: 5 * time.Millisecond, HotSet: gvisortest.HotSet(hot)})

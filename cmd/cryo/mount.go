@@ -321,9 +321,11 @@ to the snapshot in its repository (the node needs push access).`,
 				fmt.Fprintf(msg, "cryo: the snapshot was read from its materialized copy on this node: no working set recorded\n")
 				return nil
 			}
+			// The container is restored and runs: what goes wrong with its
+			// profile is a warning, not a failed restore.
 			if recordProf != "" {
 				if err := writeProfile(recordProf, res.Profile); err != nil {
-					return err
+					fmt.Fprintf(msg, "cryo: warning: %v\n", err)
 				}
 			}
 			if publish {
@@ -331,9 +333,11 @@ to the snapshot in its repository (the node needs push access).`,
 					fmt.Fprintf(msg, "cryo: the sandbox waited on nothing: no profile published\n")
 					return nil
 				}
-				desc, err := pushProfile(ctx, pf.ro, ref, res.Profile)
+				// To the snapshot restored, whatever its tag names now.
+				desc, err := attachProfile(ctx, pf.client, ref, src.Index, res.Profile)
 				if err != nil {
-					return fmt.Errorf("publish profile: %w", err)
+					fmt.Fprintf(msg, "cryo: warning: publish profile: %v\n", err)
+					return nil
 				}
 				fmt.Fprintf(msg, "cryo: published profile %s (%d ranges, %s)\n", desc.Digest, len(res.Profile.Ranges), humanBytes(res.Profile.Bytes()))
 			}

@@ -15,33 +15,33 @@ import (
 	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/profile"
+	"github.com/cryo-oci/cryo/transfer"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/spf13/cobra"
 )
 
 // profileHelp explains --profile in every command that takes it.
-const profileHelp = `working-set profile to fetch first: "auto" (the snapshot's newest profiles in its repository, merged; a repository without any costs one request, made while the tables load), "none", a profile's manifest digest (sha256:...), or a profile file (cryo restore --record-profile)`
+const profileHelp = `working-set profile to fetch first: "auto" (the snapshot's newest profiles in its repository, merged; a repository without any costs a request or two, made while the tables load), "none", a profile's manifest digest (sha256:...), or a profile file (cryo restore --record-profile)`
 
 // finder returns how the profile choice finds a profile of a snapshot in
 // repository repo of ref.
 func (f *pullerFlags) finder(ref, choice string) (profile.Finder, error) {
+	d, derr := digest.Parse(choice)
 	switch {
 	case choice == "none":
 		return nil, nil
-	case choice == "" || choice == "auto" || strings.HasPrefix(choice, "sha256:"):
+	case choice == "" || choice == "auto" || derr == nil:
 		repo, _, err := f.client.Repository(ref)
 		if err != nil {
 			return nil, err
 		}
-		if choice == "" || choice == "auto" {
-			return profile.Auto{Repo: repo}, nil
+		if derr == nil {
+			return profile.ByDigest{Repo: repo, Digest: d}, nil
 		}
-		d, err := digest.Parse(choice)
-		if err != nil {
-			return nil, fmt.Errorf("--profile %q: %w", choice, err)
-		}
-		return profile.ByDigest{Repo: repo, Digest: d}, nil
+		return profile.Auto{Repo: repo}, nil
+	case strings.HasPrefix(choice, "sha256:"):
+		return nil, fmt.Errorf("--profile %q: %w", choice, derr)
 	default:
 		if _, err := os.Stat(choice); err != nil {
 			return nil, fmt.Errorf("--profile: %w (want auto, none, a profile's manifest digest or a profile file)", err)
@@ -159,11 +159,17 @@ func pushProfile(ctx context.Context, ro remoteOptions, ref string, p *profile.P
 	if p.Subject != src.Index.Digest {
 		return ocispec.Descriptor{}, fmt.Errorf("the profile is of snapshot %s, %s is %s: %w", p.Subject, ref, src.Index.Digest, profile.ErrInvalid)
 	}
+	return attachProfile(ctx, client, ref, src.Index, p)
+}
+
+// attachProfile attaches p to the snapshot index subject in the
+// repository of ref.
+func attachProfile(ctx context.Context, client *transfer.Client, ref string, subject ocispec.Descriptor, p *profile.Profile) (ocispec.Descriptor, error) {
 	repo, _, err := client.Repository(ref)
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	return profile.Push(ctx, repo, src.Index, p, time.Now())
+	return profile.Push(ctx, repo, subject, p, time.Now())
 }
 
 func newProfileListCmd() *cobra.Command {

@@ -6,9 +6,10 @@
 //	                             {"ref": ..., "backend": "gofer"}: the dir
 //	                             holds only gcs_opts.json, for cryo's
 //	                             checkpoint gofer (no FUSE)
-//	                             "profile": "auto" (default), "none" or a
-//	                             profile's manifest digest: what to fetch
-//	                             first (puller/profile)
+//	                             "profile": "auto", "none" or a profile's
+//	                             manifest digest: what to fetch first
+//	                             (puller/profile; default: the puller's
+//	                             --profile)
 //	GET    /v1/mounts            -> [Mount]
 //	GET    /v1/mounts/{id}       -> Mount
 //	POST   /v1/mounts/{id}/wait  -> Mount, once every chunk is local

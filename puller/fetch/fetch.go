@@ -95,7 +95,7 @@ const (
 	// on soon (puller/profile), fetched in the profile's order: behind
 	// reads while the sandbox is being restored (runsc restore waits on
 	// the first reads of its loader), ahead of them once it runs (from
-	// its first fault on).
+	// its first page fault on: Scheduler.SandboxFaulted).
 	Profile
 	// Fault is a read the sandbox's application is blocked on (a page
 	// fault: a short read, see imagefs.FaultBelow), served newest first.
@@ -164,7 +164,7 @@ type Scheduler struct {
 	// link estimates the link from the fetches done, to bound the
 	// background fetches while urgent ones run.
 	link link
-	// running is set at the first fault: the sandbox runs. Before it,
+	// running is set by SandboxFaulted: the sandbox runs. Before it,
 	// reads go ahead of profile chunks (the restore itself waits on
 	// them); after it, profile chunks go ahead of reads.
 	running bool
@@ -420,9 +420,6 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	if s.closed {
 		return nil, ErrClosed
 	}
-	if prio == Fault {
-		s.running = true
-	}
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
 		cl.demand = cl.demand || prio.isDemand()
@@ -481,6 +478,20 @@ func (s *Scheduler) next() (*call, Priority) {
 			}
 		}
 		s.cond.Wait()
+	}
+}
+
+// SandboxFaulted tells the scheduler that the sandbox took a page fault
+// on memory not loaded yet (a Fault read of pages.img): it runs, and
+// profile chunks go ahead of its loader's reads from now on. The
+// puller's own urgent fetches (the small files, before the mount is
+// ready) do not count.
+func (s *Scheduler) SandboxFaulted() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.running {
+		s.running = true
+		s.cond.Broadcast()
 	}
 }
 

@@ -7,19 +7,25 @@ import (
 
 // link estimates the link to a scheduler's endpoints from the fetches it
 // ran: the rate they delivered bytes at and the shortest time one took
-// (an upper bound of the round trip), hence its bandwidth-delay product.
-// The scheduler's lock guards it.
+// in the last window (an upper bound of the round trip), hence its
+// bandwidth-delay product. Runs shorter than minSample (a chunk another
+// mount had just fetched, a cache hit) say nothing of the link and are
+// left out. The scheduler's lock guards it.
 type link struct {
-	// minTook is the shortest fetch seen, rate the bytes per second
-	// delivered (smoothed over windows of windowLen), meanBlob the mean
-	// bytes of a fetch.
+	// minTook is the shortest fetch of the last window, rate the bytes
+	// per second delivered (smoothed over windows of windowLen),
+	// meanBlob the mean bytes of a fetch.
 	minTook  time.Duration
 	rate     float64
 	meanBlob float64
-	// window counts the bytes done since windowStart.
+	// The window: bytes done and the shortest fetch since windowStart.
 	windowStart time.Time
 	windowBytes int64
+	windowMin   time.Duration
 }
+
+// minSample is the shortest run taken for a fetch over the link.
+const minSample = 500 * time.Microsecond
 
 // windowLen is how long the link's rate is measured over before it is
 // folded into the smoothed rate.
@@ -27,19 +33,23 @@ const windowLen = 250 * time.Millisecond
 
 // done records a fetch of n stored bytes that took took, ending at now.
 func (l *link) done(n int64, took time.Duration, now time.Time) {
-	if n <= 0 || took <= 0 {
+	if n <= 0 || took < minSample {
 		return
 	}
-	if l.minTook == 0 || took < l.minTook {
+	if l.minTook == 0 {
 		l.minTook = took
+	}
+	if l.windowMin == 0 || took < l.windowMin {
+		l.windowMin = took
 	}
 	if l.meanBlob == 0 {
 		l.meanBlob = float64(n)
 	} else {
 		l.meanBlob += (float64(n) - l.meanBlob) / 16
 	}
-	if l.windowStart.IsZero() {
-		l.windowStart = now.Add(-took)
+	if l.windowStart.IsZero() || now.Sub(l.windowStart) > 4*windowLen {
+		// First, or after an idle spell, which says nothing of the rate.
+		l.windowStart, l.windowBytes = now.Add(-took), 0
 	}
 	l.windowBytes += n
 	if d := now.Sub(l.windowStart); d >= windowLen {
@@ -49,7 +59,8 @@ func (l *link) done(n int64, took time.Duration, now time.Time) {
 		} else {
 			l.rate += (r - l.rate) / 4
 		}
-		l.windowStart, l.windowBytes = now, 0
+		l.minTook = l.windowMin
+		l.windowStart, l.windowBytes, l.windowMin = now, 0, 0
 	}
 }
 

@@ -15,6 +15,7 @@ func TestPriorityOrder(t *testing.T) {
 	g := newGate(b)
 	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 1})
 	ctx := context.Background()
+	s.SandboxFaulted()
 	first := s.Prefetch(cs[:1])
 	wait(t, g.entered, "the first fetch")
 	pre := s.Prefetch(cs[1:2])
@@ -80,6 +81,7 @@ func TestBackgroundBoundedWhileUrgent(t *testing.T) {
 		var fault <-chan result
 		if running {
 			fault = get(s, ctx, cs[5])
+			s.SandboxFaulted()
 		}
 		prof := s.FetchProfile(cs[:1])
 		wait(t, g.entered, "the first fetch")
@@ -133,5 +135,14 @@ func TestLinkBackgroundLimit(t *testing.T) {
 	}
 	if n := l.backgroundLimit(2); n != 2 {
 		t.Errorf("capped at the workers: %d, want 2", n)
+	}
+	// Runs that never crossed the link (a chunk another mount had just
+	// fetched) do not make it look like one without a round trip.
+	for range 100 {
+		now = now.Add(time.Millisecond)
+		l.done(1<<20, 20*time.Microsecond, now)
+	}
+	if n := l.backgroundLimit(12); n != 4 {
+		t.Errorf("after runs that did not fetch: limit %d, want 4 still", n)
 	}
 }

@@ -17,8 +17,9 @@ import (
 // ended, moved past what was asked for since), or past at most SweepGap
 // bytes nobody asked for (a fault that close to the sweep is taken for
 // it: its bytes come next anyway). Such a read moves the frontier only
-// once the next read taken for the sweep continues it: then it was the
-// sweep past freed pages, not a fault just ahead of it. Any other read
+// if it skipped at most MaxHole bytes and the next read taken for the
+// sweep continues it: then it was the sweep past freed pages, not a fault
+// just ahead of it. Any other read
 // is a fault. Freed ranges of more than SweepGap at once leave the rest
 // of the sweep classified as faults: served first, newest first, with
 // the app's real faults among them. Reads must be classified in the
@@ -36,6 +37,11 @@ type Classifier struct {
 // SweepGap is how many bytes nobody asked for the sweep may skip (pages
 // freed before they were loaded) and still be taken for the sweep.
 const SweepGap = 16 << 20
+
+// MaxHole is the largest run of unasked bytes the frontier moves past
+// when the sweep goes on beyond it: a fault window of several reads just
+// ahead of the sweep also goes on contiguously, past a larger gap.
+const MaxHole = 1 << 20
 
 type span struct{ start, end int64 }
 
@@ -58,7 +64,7 @@ func (c *Classifier) Classify(off, n int64) fetch.Priority {
 		// hole), so that the sweep's own next read is not taken for a
 		// fault if this one was a fault.
 		prio = fetch.Read
-		if off == c.lastRead {
+		if off == c.lastRead && gap <= MaxHole {
 			c.frontier = off + n
 		}
 		c.lastRead = off + n

@@ -79,3 +79,25 @@ func TestClassifierSweepPastHole(t *testing.T) {
 		t.Errorf("the sweep after the fault: %v, want read", got)
 	}
 }
+
+// TestClassifierWindowAheadOfSweep: a fault window of several contiguous
+// reads just ahead of the sweep does not move the frontier over the gap
+// before it: the sweep's reads of that gap stay the sweep's, not faults.
+func TestClassifierWindowAheadOfSweep(t *testing.T) {
+	var c Classifier
+	mib := int64(1 << 20)
+	for off := int64(0); off < 3*mib; off += mib {
+		c.Classify(off, mib)
+	}
+	for off := 10 * mib; off < 13*mib; off += mib {
+		c.Classify(off, mib) // within SweepGap: taken for the sweep
+	}
+	for off := 3 * mib; off < 10*mib; off += mib {
+		if got := c.Classify(off, mib); got != fetch.Read {
+			t.Fatalf("sweep read at %d MiB after a window ahead of it: %v, want read", off/mib, got)
+		}
+	}
+	if got := c.Classify(13*mib, mib); got != fetch.Read {
+		t.Errorf("sweep read past the window: %v, want read", got)
+	}
+}

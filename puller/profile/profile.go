@@ -63,7 +63,7 @@ type Range struct {
 	Offset int64  `json:"offset"`
 	Length int64  `json:"length"`
 	// AtMillis is when the range was first asked for, in milliseconds
-	// since the recording started (the mount's start).
+	// since the sandbox's first read of pages.img.
 	AtMillis int64 `json:"atMillis"`
 }
 
@@ -106,12 +106,16 @@ func Parse(data []byte) (*Profile, error) {
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
-	var p Profile
-	if err := dec.Decode(&p); err != nil {
+	var doc document
+	if err := dec.Decode(&doc); err != nil {
 		return nil, fmt.Errorf("profile: %v: %w", err, ErrInvalid)
 	}
 	if dec.More() {
 		return nil, fmt.Errorf("profile: data after the JSON object: %w", ErrInvalid)
+	}
+	p, err := doc.profile()
+	if err != nil {
+		return nil, err
 	}
 	if p.MediaType != MediaType {
 		return nil, fmt.Errorf("profile: mediaType %q, want %q: %w", p.MediaType, MediaType, ErrInvalid)
@@ -125,7 +129,36 @@ func Parse(data []byte) (*Profile, error) {
 	if err := checkDisjoint(p.Ranges); err != nil {
 		return nil, err
 	}
-	return &p, nil
+	return p, nil
+}
+
+// document is a profile as read: every member must be there (SPEC 16.1).
+type document struct {
+	MediaType *string     `json:"mediaType"`
+	Subject   *string     `json:"subject"`
+	Ranges    *[]rawRange `json:"ranges"`
+}
+
+type rawRange struct {
+	Path     *string `json:"path"`
+	Offset   *int64  `json:"offset"`
+	Length   *int64  `json:"length"`
+	AtMillis *int64  `json:"atMillis"`
+}
+
+// profile returns the profile d holds, refusing one without a member.
+func (d document) profile() (*Profile, error) {
+	if d.MediaType == nil || d.Subject == nil || d.Ranges == nil {
+		return nil, fmt.Errorf("profile: want mediaType, subject and ranges: %w", ErrInvalid)
+	}
+	p := &Profile{MediaType: *d.MediaType, Subject: digest.Digest(*d.Subject), Ranges: make([]Range, len(*d.Ranges))}
+	for i, r := range *d.Ranges {
+		if r.Path == nil || r.Offset == nil || r.Length == nil || r.AtMillis == nil {
+			return nil, fmt.Errorf("profile: range %d: want path, offset, length and atMillis: %w", i, ErrInvalid)
+		}
+		p.Ranges[i] = Range{Path: *r.Path, Offset: *r.Offset, Length: *r.Length, AtMillis: *r.AtMillis}
+	}
+	return p, nil
 }
 
 // checkDisjoint refuses empty or negative ranges and ranges of one file
@@ -184,8 +217,8 @@ func (p *Profile) For(snap *format.Snapshot) ([]Range, []string, error) {
 // Merge merges profiles of one snapshot into one: every byte any of them
 // names, each at the earliest time one of them first asked for it, in
 // that order (ties by path and offset), adjacent pieces of one file asked
-// for at the same time joined, at most MaxRanges ranges (the latest
-// dropped). Profiles of other subjects than the first's are skipped. It
+// for at the same time joined, at most MaxRanges ranges and MaxSize
+// encoded (the latest dropped). Profiles of other subjects than the first's are skipped. It
 // returns nil for no profiles.
 func Merge(ps ...*Profile) *Profile {
 	if len(ps) == 0 {
@@ -210,15 +243,27 @@ func Merge(ps ...*Profile) *Profile {
 	})
 	var cov coverage
 	out := &Profile{MediaType: MediaType, Subject: subject}
+	size := 0
 	for _, r := range all {
 		for _, piece := range cov.add(r.Path, r.Offset, r.Offset+r.Length) {
-			if len(out.Ranges) == MaxRanges {
+			if size += encodedSize(r); len(out.Ranges) == MaxRanges || size > encodedBudget {
 				return out
 			}
 			out.append(Range{Path: r.Path, Offset: piece.start, Length: piece.end - piece.start, AtMillis: r.AtMillis})
 		}
 	}
 	return out
+}
+
+// encodedBudget is the bytes of ranges a profile grows to at most: its
+// limit, less room for the rest of the document and for joined ranges'
+// longer lengths.
+const encodedBudget = MaxSize - 64<<10
+
+// encodedSize is about the bytes r adds to an encoded profile.
+func encodedSize(r Range) int {
+	path, _ := json.Marshal(r.Path)
+	return len(path) + 48 + 3*20
 }
 
 // append adds r, joined to the last range if it continues it.

@@ -50,20 +50,22 @@ func TestParseRefuses(t *testing.T) {
 		many[i] = fmt.Sprintf(`{"path":"pages.img","offset":%d,"length":1,"atMillis":0}`, i)
 	}
 	for name, doc := range map[string]string{
-		"another media type":  strings.Replace(head, "profile.v1", "profile.v9", 1) + `[]}`,
-		"bad subject":         strings.Replace(head, subject.String(), "sha256:1234", 1) + `[]}`,
-		"unknown field":       head + `[], "extra": 1}`,
-		"key twice":           head + `[{"path":"pages.img","offset":0,"offset":8192,"length":1,"atMillis":0}]}`,
-		"key in another case": head + `[{"Path":"pages.img","offset":0,"length":1,"atMillis":0}]}`,
-		"empty range":         head + `[{"path":"pages.img","offset":0,"length":0,"atMillis":0}]}`,
-		"negative offset":     head + `[{"path":"pages.img","offset":-1,"length":1,"atMillis":0}]}`,
-		"negative time":       head + `[{"path":"pages.img","offset":0,"length":1,"atMillis":-5}]}`,
-		"huge range":          head + `[{"path":"pages.img","offset":9223372036854775000,"length":9000,"atMillis":0}]}`,
-		"overlap":             head + `[{"path":"pages.img","offset":0,"length":8192,"atMillis":0},{"path":"pages.img","offset":4096,"length":1,"atMillis":1}]}`,
-		"path traversal":      head + `[{"path":"../etc/shadow","offset":0,"length":1,"atMillis":0}]}`,
-		"trailing data":       head + `[]} {}`,
-		"too many ranges":     head + `[` + strings.Join(many, ",") + `]}`,
-		"oversize":            head + `[]}` + strings.Repeat(" ", MaxSize),
+		"another media type":       strings.Replace(head, "profile.v1", "profile.v9", 1) + `[]}`,
+		"bad subject":              strings.Replace(head, subject.String(), "sha256:1234", 1) + `[]}`,
+		"unknown field":            head + `[], "extra": 1}`,
+		"key twice":                head + `[{"path":"pages.img","offset":0,"offset":8192,"length":1,"atMillis":0}]}`,
+		"key in another case":      head + `[{"Path":"pages.img","offset":0,"length":1,"atMillis":0}]}`,
+		"empty range":              head + `[{"path":"pages.img","offset":0,"length":0,"atMillis":0}]}`,
+		"negative offset":          head + `[{"path":"pages.img","offset":-1,"length":1,"atMillis":0}]}`,
+		"negative time":            head + `[{"path":"pages.img","offset":0,"length":1,"atMillis":-5}]}`,
+		"huge range":               head + `[{"path":"pages.img","offset":9223372036854775000,"length":9000,"atMillis":0}]}`,
+		"overlap":                  head + `[{"path":"pages.img","offset":0,"length":8192,"atMillis":0},{"path":"pages.img","offset":4096,"length":1,"atMillis":1}]}`,
+		"path traversal":           head + `[{"path":"../etc/shadow","offset":0,"length":1,"atMillis":0}]}`,
+		"trailing data":            head + `[]} {}`,
+		"too many ranges":          head + `[` + strings.Join(many, ",") + `]}`,
+		"oversize":                 head + `[]}` + strings.Repeat(" ", MaxSize),
+		"no ranges":                strings.TrimSuffix(head, `,"ranges":`) + `}`,
+		"a range without its time": head + `[{"path":"pages.img","offset":0,"length":1}]}`,
 	} {
 		if _, err := Parse([]byte(doc)); !errors.Is(err, ErrInvalid) {
 			t.Errorf("%s: Parse: %v, want ErrInvalid", name, err)
@@ -135,7 +137,7 @@ func TestMerge(t *testing.T) {
 func TestRecorder(t *testing.T) {
 	start := time.Unix(1000, 0)
 	now := start
-	r := NewRecorder(subject, start, time.Second)
+	r := NewRecorder(subject, time.Second)
 	r.now = func() time.Time { return now }
 	const mib = 1 << 20
 	now = start.Add(100 * time.Millisecond)
@@ -151,9 +153,9 @@ func TestRecorder(t *testing.T) {
 	r.Waited("pages.img", 70*mib, mib)
 	got := r.Profile()
 	want := []Range{
-		{Path: "pages.img", Offset: 40 * mib, Length: 2 * mib, AtMillis: 100},
-		{Path: "pages.img", Offset: 90 * mib, Length: 4096, AtMillis: 300},
-		{Path: "checkpoint.img", Offset: 0, Length: 100, AtMillis: 300},
+		{Path: "pages.img", Offset: 40 * mib, Length: 2 * mib, AtMillis: 0},
+		{Path: "pages.img", Offset: 90 * mib, Length: 4096, AtMillis: 200},
+		{Path: "checkpoint.img", Offset: 0, Length: 100, AtMillis: 200},
 	}
 	if !reflect.DeepEqual(got.Ranges, want) || got.Subject != subject {
 		t.Errorf("recorded %+v, want %+v", got.Ranges, want)
@@ -163,5 +165,26 @@ func TestRecorder(t *testing.T) {
 	r.Waited("pages.img", 80*mib, mib)
 	if n := len(r.Profile().Ranges); n != 3 {
 		t.Errorf("%d ranges after Stop, want 3", n)
+	}
+}
+
+// TestRecorderStaysEncodable: however many reads it sees, a recording
+// encodes within MaxSize (65,536 ranges with a long path would not).
+func TestRecorderStaysEncodable(t *testing.T) {
+	r := NewRecorder(subject, time.Hour)
+	long := strings.Repeat("d/", 60) + "pages-of-a-long-name.img"
+	for i := range int64(MaxRanges + 10) {
+		r.Waited(long, 1<<40+i*8192, 4096) // never adjacent: one range each
+	}
+	p := r.Profile()
+	data, err := p.Encode()
+	if err != nil {
+		t.Fatalf("a full recording of %d ranges does not encode: %v", len(p.Ranges), err)
+	}
+	if _, err := Parse(data); err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Ranges) < 1000 {
+		t.Errorf("only %d ranges recorded", len(p.Ranges))
 	}
 }

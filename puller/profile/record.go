@@ -19,20 +19,23 @@ const DefaultRecordFor = 30 * time.Second
 
 // Recorder records a restore's working set: the reads a sandbox waited
 // on, in first-access order, from when it started (the mount's start)
-// until recFor after the first read of pages.img, at most MaxRanges
-// ranges.
+// until recFor after the first read of pages.img (times counted from it), at most MaxRanges
+// ranges and MaxSize encoded.
 // Reads of bytes already recorded add nothing. It is safe for concurrent
 // use.
 type Recorder struct {
-	start  time.Time
 	recFor time.Duration
 
 	mu sync.Mutex
-	// until is when recording stops, set at the first read of pages.img.
-	until   time.Time
-	stopped bool
-	cov     coverage
-	p       Profile
+	// first is the sandbox's first read of pages.img, which times count
+	// from (nodes differ in how long a mount takes to get there); until
+	// is when recording stops.
+	first, until time.Time
+	stopped      bool
+	cov          coverage
+	p            Profile
+	// size is about the encoded bytes of p's ranges (encodedSize).
+	size int
 	// sweep tells, for a presenter that cannot (FUSE), pages.img's
 	// page-fault reads from the background sweep.
 	sweep Classifier
@@ -41,12 +44,13 @@ type Recorder struct {
 }
 
 // NewRecorder starts recording the working set of snapshot subject, with
-// times counted from start; recFor <= 0 means DefaultRecordFor.
-func NewRecorder(subject digest.Digest, start time.Time, recFor time.Duration) *Recorder {
+// times counted from the sandbox's first read of pages.img (reads before
+// it at 0); recFor <= 0 means DefaultRecordFor.
+func NewRecorder(subject digest.Digest, recFor time.Duration) *Recorder {
 	if recFor <= 0 {
 		recFor = DefaultRecordFor
 	}
-	return &Recorder{start: start, recFor: recFor, p: Profile{MediaType: MediaType, Subject: subject}, now: time.Now}
+	return &Recorder{recFor: recFor, p: Profile{MediaType: MediaType, Subject: subject}, now: time.Now}
 }
 
 // Waited records a read of n bytes at off of the file path that a sandbox
@@ -81,7 +85,7 @@ func (r *Recorder) Swept() {
 
 func (r *Recorder) startClock(now time.Time) {
 	if r.until.IsZero() {
-		r.until = now.Add(r.recFor)
+		r.first, r.until = now, now.Add(r.recFor)
 	}
 }
 
@@ -92,9 +96,13 @@ func (r *Recorder) record(path string, off, n int64, now time.Time) {
 	if r.stopped || n <= 0 || !r.until.IsZero() && now.After(r.until) {
 		return
 	}
-	at := now.Sub(r.start).Milliseconds()
+	var at int64
+	if !r.first.IsZero() {
+		at = now.Sub(r.first).Milliseconds()
+	}
 	for _, piece := range r.cov.add(path, off, off+n) {
-		if len(r.p.Ranges) == MaxRanges {
+		rg := Range{Path: path}
+		if r.size += encodedSize(rg); len(r.p.Ranges) == MaxRanges || r.size > encodedBudget {
 			r.stopped = true
 			return
 		}

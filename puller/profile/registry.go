@@ -145,12 +145,12 @@ func Fetch(ctx context.Context, repo content.Fetcher, desc ocispec.Descriptor, s
 type Info struct {
 	// Digest is the profile's manifest digest, or a local file's sha256;
 	// for several merged, the newest's.
-	Digest digest.Digest
+	Digest digest.Digest `json:"digest"`
 	// Merged is how many profiles were merged into it (1: one).
-	Merged int
+	Merged int `json:"merged"`
 	// Ranges and Bytes are the merged profile's.
-	Ranges int
-	Bytes  int64
+	Ranges int   `json:"ranges"`
+	Bytes  int64 `json:"bytes"`
 }
 
 // Finder finds the profile of a snapshot to replay. Find returns nil and
@@ -171,6 +171,8 @@ func (a Auto) Find(ctx context.Context, subject ocispec.Descriptor) (*Profile, I
 	if err != nil {
 		return nil, Info{}, nil, err
 	}
+	// A listing of many bad profiles costs a bounded number of fetches.
+	descs = descs[:min(len(descs), 2*MaxMerged)]
 	var ps []*Profile
 	var warnings []string
 	var info Info
