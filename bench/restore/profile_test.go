@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -45,24 +44,7 @@ func BenchmarkProfile(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	gvisortest.GoferDir(b)
 	cryo, oras := testenv.Tool(b, "cryo"), testenv.Tool(b, "oras")
-	root := *regRoot
-	if root != "" {
-		var err error
-		if root, err = os.MkdirTemp(root, "cryo-bench-registry-"); err != nil {
-			b.Fatal(err)
-		}
-		defer os.RemoveAll(root)
-	}
-	reg := testenv.StartRegistry(b, root)
-	var sizes []int
-	for _, s := range strings.Split(*sizesFlag, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil {
-			b.Fatalf("-sizes: %v", err)
-		}
-		sizes = append(sizes, n)
-	}
-	links := parseLinks(b, *linksFlag)
+	reg, sizes, links := setup(b)
 	hotSets := strings.Split(*hotSetsFlag, ",")
 	res := map[string][]profSample{} // hot|size|link|path
 	ws := map[string]int64{}         // hot|size|link: the working set recorded
@@ -72,12 +54,7 @@ func BenchmarkProfile(b *testing.B) {
 			app.NextCount(b)
 			img := app.Checkpoint(b)
 			tag := fmt.Sprintf("%s-m%d", hot, mib)
-			testenv.Run(b, cryo, "push", img, reg.Addr+"/cryo:"+tag)
-			c := exec.Command(oras, "push", "--plain-http", reg.Addr+"/oras:"+tag, "checkpoint.img", "pages_meta.img", "pages.img")
-			c.Dir = img
-			if out, err := c.CombinedOutput(); err != nil {
-				b.Fatalf("oras push: %v\n%s", err, out)
-			}
+			pushBoth(b, cryo, oras, img, reg.Addr, tag)
 			for _, link := range links {
 				addr := reg.Addr
 				reps := *repsFlag

@@ -58,36 +58,14 @@ type sample struct{ running, loaded, wire, rss, writes float64 }
 func BenchmarkRestore(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	cryo, oras := testenv.Tool(b, "cryo"), testenv.Tool(b, "oras")
-	root := *regRoot
-	if root != "" {
-		var err error
-		if root, err = os.MkdirTemp(root, "cryo-bench-registry-"); err != nil {
-			b.Fatal(err)
-		}
-		defer os.RemoveAll(root)
-	}
-	reg := testenv.StartRegistry(b, root)
-	var sizes []int
-	for _, s := range strings.Split(*sizesFlag, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil {
-			b.Fatalf("-sizes: %v", err)
-		}
-		sizes = append(sizes, n)
-	}
-	links := parseLinks(b, *linksFlag)
+	reg, sizes, links := setup(b)
 	results := map[string][]sample{} // size|link|path
 	for _, mib := range sizes {
 		app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib, Interval: 5 * time.Millisecond})
 		app.NextCount(b)
 		img := app.Checkpoint(b)
 		tag := fmt.Sprintf("m%d", mib)
-		testenv.Run(b, cryo, "push", "--format", *formatFl, img, reg.Addr+"/cryo:"+tag)
-		c := exec.Command(oras, "push", "--plain-http", reg.Addr+"/oras:"+tag, "checkpoint.img", "pages_meta.img", "pages.img")
-		c.Dir = img
-		if out, err := c.CombinedOutput(); err != nil {
-			b.Fatalf("oras push: %v\n%s", err, out)
-		}
+		pushBoth(b, cryo, oras, img, reg.Addr, tag, "--format", *formatFl)
 		for _, link := range links {
 			addr := reg.Addr
 			reps := *repsFlag
@@ -192,6 +170,41 @@ func BenchmarkRestore(b *testing.B) {
 		if err := writeChart(*chartFlag, sizes, results); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// setup starts the registry the benchmark pushes to (its storage under
+// -registry-root if set, removed at the end) and parses -sizes and
+// -links.
+func setup(b *testing.B) (*testenv.Registry, []int, []Link) {
+	root := *regRoot
+	if root != "" {
+		var err error
+		if root, err = os.MkdirTemp(root, "cryo-bench-registry-"); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { os.RemoveAll(root) })
+	}
+	reg := testenv.StartRegistry(b, root)
+	var sizes []int
+	for _, s := range strings.Split(*sizesFlag, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil {
+			b.Fatalf("-sizes: %v", err)
+		}
+		sizes = append(sizes, n)
+	}
+	return reg, sizes, parseLinks(b, *linksFlag)
+}
+
+// pushBoth pushes the image dir img as addr/cryo:tag (cryo push with
+// cryoFlags) and as addr/oras:tag (oras push of its three files).
+func pushBoth(b *testing.B, cryo, oras, img, addr, tag string, cryoFlags ...string) {
+	testenv.Run(b, cryo, append(append([]string{"push"}, cryoFlags...), img, addr+"/cryo:"+tag)...)
+	c := exec.Command(oras, "push", "--plain-http", addr+"/oras:"+tag, "checkpoint.img", "pages_meta.img", "pages.img")
+	c.Dir = img
+	if out, err := c.CombinedOutput(); err != nil {
+		b.Fatalf("oras push: %v\n%s", err, out)
 	}
 }
 
