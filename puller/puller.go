@@ -244,9 +244,7 @@ type load struct {
 	// asm is the snapshot's image dir the chunks are written into as they
 	// come (cache.Assemble), committed as its materialized dir at the end.
 	asm *cache.Assembly
-	// profile is the ranges of the profile fetched first, and which it
-	// is (prepare).
-	profile     []profile.Range
+	// profileInfo says which profile was fetched first (prepare).
 	profileInfo *profile.Info
 
 	mu      sync.Mutex
@@ -351,12 +349,8 @@ func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
 		log.Warn("profile not used", "snapshot", l.src.Index.Digest, "profile", f.info.Digest, "err", err)
 		return
 	}
-	l.profile = ranges
 	info := f.info
-	info.Ranges, info.Bytes = len(ranges), 0
-	for _, r := range ranges {
-		info.Bytes += r.Length
-	}
+	info.Ranges, info.Bytes = len(ranges), (&profile.Profile{Ranges: ranges}).Bytes()
 	l.profileInfo = &info
 	l.sched.FetchProfile(profileChunks(l.snap, l.chunks, ranges))
 }
@@ -410,7 +404,9 @@ var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c
 func (l *load) fetchAll(ctx context.Context, files []int) error {
 	var pending []*fetch.Pending
 	var held []format.Chunk
-	for _, c := range prefetchOrder(l.snap, l.chunks, files, l.profile) {
+	// In file and offset order: the profile's chunks, queued first at
+	// their own priority (prepare), are already on their way.
+	for _, c := range inOrder(l.chunks, files) {
 		if c.Encoding != format.EncodingZero && !l.p.cache.Has(c.Digest) {
 			if ps := l.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
 				pending = append(pending, ps[0])
@@ -440,35 +436,12 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 	return nil
 }
 
-// prefetchOrder lists every chunk of the given files of snap once: first
-// those covering the ranges of the profile, in its order, then the rest
-// in file and offset order.
-func prefetchOrder(snap *format.Snapshot, chunks [][]format.Chunk, files []int, list []profile.Range) []format.Chunk {
-	type key struct{ file, chunk int }
-	seen := map[key]bool{}
+// inOrder lists every chunk of the given files (indexes), in file and
+// offset order.
+func inOrder(chunks [][]format.Chunk, files []int) []format.Chunk {
 	var out []format.Chunk
-	add := func(fi, ci int) {
-		if k := (key{fi, ci}); !seen[k] {
-			seen[k] = true
-			out = append(out, chunks[fi][ci])
-		}
-	}
-	for _, r := range list {
-		for _, fi := range files {
-			if snap.Files[fi].Path != r.Path {
-				continue
-			}
-			t := format.Table{Chunks: chunks[fi]}
-			first, last := t.Locate(r.Offset, r.Length)
-			for ci := first; ci < last; ci++ {
-				add(fi, ci)
-			}
-		}
-	}
 	for _, fi := range files {
-		for ci := range chunks[fi] {
-			add(fi, ci)
-		}
+		out = append(out, chunks[fi]...)
 	}
 	return out
 }

@@ -63,3 +63,24 @@ func TestWriteExisting(t *testing.T) {
 		t.Fatal("Write into a missing dir succeeded")
 	}
 }
+
+// TestReplace: Replace puts new bytes and mode in place of an existing
+// file and leaves no temporary file behind.
+func TestReplace(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "f")
+	if err := os.WriteFile(path, []byte("old"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := Replace(path, []byte("new"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	data, _ := os.ReadFile(path)
+	fi, _ := os.Stat(path)
+	if string(data) != "new" || fi.Mode().Perm() != 0o600 {
+		t.Errorf("after Replace: %q, %v; want \"new\", 0600", data, fi.Mode().Perm())
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 1 {
+		t.Errorf("dir holds %d entries, want the file alone", len(ents))
+	}
+}

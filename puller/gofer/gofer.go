@@ -30,6 +30,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/cryo-oci/cryo/internal/atomicfile"
 	"github.com/opencontainers/go-digest"
 )
 
@@ -265,22 +266,13 @@ func WriteImageDir(dir string, c Config) error {
 		err = cerr
 	}
 	if err == nil {
-		err = syncDir(dir)
+		err = atomicfile.SyncDir(dir)
 	}
 	if err != nil {
 		os.Remove(p)
 		return fmt.Errorf("write %s: %w", p, err)
 	}
 	return nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
 
 // Install copies the gofer binary at src to dir/Binary (dir created
@@ -301,28 +293,7 @@ func Install(src, dir string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("install gofer: %w", err)
 	}
-	tmp, err := os.CreateTemp(dir, "."+Binary+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("install gofer: %w", err)
-	}
-	_, err = tmp.Write(data)
-	if err == nil {
-		err = tmp.Chmod(0o755)
-	}
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp.Name(), filepath.Join(dir, Binary))
-	}
-	if err == nil {
-		err = syncDir(dir)
-	}
-	if err != nil {
-		os.Remove(tmp.Name())
+	if err := atomicfile.Replace(filepath.Join(dir, Binary), data, 0o755); err != nil {
 		return fmt.Errorf("install gofer into %s: %w", dir, err)
 	}
 	return nil
