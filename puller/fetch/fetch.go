@@ -360,7 +360,8 @@ func (s *Scheduler) Prefetch(chunks []format.Chunk) []*Pending {
 
 // FetchProfile queues chunks at priority Profile, in the order given (a
 // working-set profile's: what a sandbox restored from this snapshot
-// waited on first), ahead of reads and prefetches, behind faults. Chunks
+// waited on first): ahead of prefetches, behind faults, and behind reads
+// until SandboxFaulted, ahead of them after. Chunks
 // already cached or zero are skipped; queued ones are promoted. Wait
 // reports completion.
 func (s *Scheduler) FetchProfile(chunks []format.Chunk) []*Pending {
@@ -440,15 +441,17 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 }
 
 // next takes the next call to run, and the priority it runs at: the
-// newest fault, else the oldest profile chunk, else the oldest read,
-// else, only while no read waits or runs, the next prefetch. A restoring
+// newest fault, else the oldest read and profile chunk (reads first until
+// the sandbox runs, profile chunks first after: order), else, only while
+// no read waits or runs, the next prefetch. A restoring
 // sandbox keeps many reads in flight (gVisor's background loader issues
 // up to 128 at once, in ascending order); the page fault its application
 // is blocked on arrives last, so faults go newest first. Prefetches wait
 // while reads are served, which covers the whole file anyway.
 //
-// While faults or profile chunks are being fetched (urgent fetches), the
-// background (reads and prefetches) keeps at most link.backgroundLimit
+// While faults, or once the sandbox runs profile chunks, are being
+// fetched (urgent fetches), the background (reads and prefetches, and
+// profile chunks before the sandbox runs) keeps at most link.backgroundLimit
 // fetches in flight: about half the link's measured bandwidth-delay
 // product, at least one, so that it neither stops nor queues bytes on the
 // link ahead of what the sandbox waits for.
@@ -608,9 +611,9 @@ func (s *Scheduler) worker() {
 			n += b.chunk.BlobSize
 		}
 		s.run(cl)
-		took := time.Since(start)
+		end := time.Now()
 		s.mu.Lock()
-		s.link.done(n, took, time.Now())
+		s.link.done(n, end.Sub(start), end)
 		// The priority it ran at: a call run again (requeue) may have
 		// been promoted since.
 		s.active[prio]--
