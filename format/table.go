@@ -184,6 +184,20 @@ func (t *Table) Validate() error {
 	return nil
 }
 
+// Check validates one chunk table entry on its own, as a table's
+// validation does: a size of 1..MaxChunkSize and a well-formed encoding,
+// digests and, in format v2, frame. For entries that come from elsewhere
+// than a verified table (a peer's request).
+func (c Chunk) Check() error {
+	if c.Size <= 0 || c.Size > MaxChunkSize {
+		return fmt.Errorf("size %d, want 1..%d: %w", c.Size, MaxChunkSize, ErrInvalid)
+	}
+	if err := c.validateEncoding(); err != nil {
+		return fmt.Errorf("%v: %w", err, ErrInvalid)
+	}
+	return nil
+}
+
 func (c Chunk) validateEncoding() error {
 	if c.Packed() {
 		if c.Encoding != EncodingRaw && c.Encoding != EncodingZstd {

@@ -70,6 +70,21 @@ type Options struct {
 	// RecordFor bounds how long a mount records its working set after the
 	// sandbox's first read of pages.img (default profile.DefaultRecordFor).
 	RecordFor time.Duration
+	// Peers, if set, is the node's pool of peer pullers (peer.Pool): every
+	// load asks a chunk's owner among them before its endpoints, for
+	// snapshots whose Source names their Repository.
+	Peers Peers
+	// PeerUpstream gives the endpoints (mirrors, then the registry) of a
+	// repository ("host[:port]/name"), for the chunks this node serves to
+	// its peers (ServeChunks) and does not hold. Without it, peers are
+	// served only what the node holds or is fetching.
+	PeerUpstream func(ctx context.Context, repository string) ([]fetch.Endpoint, error)
+}
+
+// Peers is a pool of peer pullers, as loads use it: the fetch.Peers of
+// one repository's snapshots.
+type Peers interface {
+	For(repository string) fetch.Peers
 }
 
 // Puller mounts snapshots on a node.
@@ -82,7 +97,11 @@ type Puller struct {
 	mu      sync.Mutex
 	writing map[digest.Digest]*imageWrite
 	// fetching joins the fetches of one chunk by several mounts.
-	fetching  fetch.Flights
+	fetching fetch.Flights
+	// served are the schedulers of the chunks served to peers, by
+	// repository (ServeChunks).
+	servedMu  sync.Mutex
+	served    map[string]*servedRepo
 	closeOnce sync.Once
 }
 
@@ -108,7 +127,7 @@ func New(opts Options) (*Puller, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Puller{opts: opts, cache: c, codec: codec}, nil
+	return &Puller{opts: opts, cache: c, codec: codec, served: map[string]*servedRepo{}}, nil
 }
 
 // Close releases the puller's decoders and the node cache's open files.
@@ -116,6 +135,7 @@ func New(opts Options) (*Puller, error) {
 // cache stays on disk. Calls after the first do nothing.
 func (p *Puller) Close() {
 	p.closeOnce.Do(func() {
+		p.closeServed()
 		p.codec.Close()
 		p.cache.Close()
 	})
@@ -129,6 +149,10 @@ func (p *Puller) Cache() *cache.Store { return p.cache }
 type Source struct {
 	Index     ocispec.Descriptor
 	Endpoints []fetch.Endpoint
+	// Repository is the primary's registry and repository
+	// ("host[:port]/name"): where the peers (Options.Peers) that own the
+	// snapshot's chunks fetch them. Empty: no peers are asked.
+	Repository string
 	// Profile, if set, finds the snapshot's working-set profile while its
 	// chunk tables load (profile.Auto: its referrers at the primary). The
 	// chunks of the profile's ranges are fetched first, in its order, at
@@ -287,7 +311,11 @@ func (l *load) prepare(ctx context.Context) error {
 		l.p.opts.Logger.Warn("cannot assemble the snapshot's image dir in the node cache", "snapshot", l.src.Index.Digest, "err", err)
 	}
 	o := l.p.opts
-	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching})
+	fo := fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching}
+	if o.Peers != nil && l.src.Repository != "" {
+		fo.Peers = o.Peers.For(l.src.Repository)
+	}
+	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fo)
 	l.useProfile(ctx, found)
 	return nil
 }

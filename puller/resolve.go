@@ -6,12 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/registry/remote"
 )
 
 // ResolveOptions say where Resolve looks.
@@ -51,24 +53,8 @@ func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, erro
 	if err != nil {
 		return Source{}, err
 	}
-	endpoint := func(host string, d digest.Digest) (fetch.Endpoint, error) {
-		mref := host + "/" + parsed.Repository + "@" + d.String()
-		repo, _, err := client.Repository(mref)
-		if err != nil {
-			return fetch.Endpoint{}, fmt.Errorf("mirror %s: %w", host, err)
-		}
-		return fetch.Endpoint{Name: host, Store: transfer.Ranged{Repository: repo}}, nil
-	}
-	withMirrors := func(d digest.Digest) ([]fetch.Endpoint, error) {
-		eps := make([]fetch.Endpoint, 0, len(opts.Mirrors)+1)
-		for _, m := range opts.Mirrors {
-			ep, err := endpoint(m, d)
-			if err != nil {
-				return nil, err
-			}
-			eps = append(eps, ep)
-		}
-		return append(eps, fetch.Endpoint{Name: parsed.Registry, Store: transfer.Ranged{Repository: primary}}), nil
+	withMirrors := func(digest.Digest) ([]fetch.Endpoint, error) {
+		return endpoints(client, parsed.Registry, parsed.Repository, primary, opts.Mirrors)
 	}
 
 	if d, err := parsed.Digest(); err == nil {
@@ -85,7 +71,7 @@ func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, erro
 		if err != nil {
 			return Source{}, fmt.Errorf("resolve %s: %w", ref, err)
 		}
-		return Source{Index: desc, Endpoints: eps}, nil
+		return Source{Index: desc, Endpoints: eps, Repository: parsed.Registry + "/" + parsed.Repository}, nil
 	}
 
 	desc, err := primary.Resolve(ctx, parsed.Reference)
@@ -100,7 +86,45 @@ func Resolve(ctx context.Context, ref string, opts ResolveOptions) (Source, erro
 	if err != nil {
 		return Source{}, err
 	}
-	return Source{Index: desc, Endpoints: eps}, nil
+	return Source{Index: desc, Endpoints: eps, Repository: parsed.Registry + "/" + parsed.Repository}, nil
+}
+
+// Endpoints returns the endpoints of repository ("host[:port]/name") for
+// fetches by digest: the mirrors, in order, then its registry. They are
+// what a node that serves its peers (Options.PeerUpstream) fetches from.
+func Endpoints(repository string, opts ResolveOptions) ([]fetch.Endpoint, error) {
+	parsed, err := transfer.ParseReference(repository)
+	if err != nil {
+		return nil, err
+	}
+	if parsed.Reference != transfer.DefaultTag || strings.ContainsAny(repository[strings.LastIndex(repository, "/")+1:], ":@") {
+		return nil, fmt.Errorf("repository %q: want host[:port]/name, without a tag or digest", repository)
+	}
+	client := opts.Client
+	if client == nil {
+		if client, err = transfer.NewClient(transfer.ClientOptions{}); err != nil {
+			return nil, err
+		}
+	}
+	primary, _, err := client.Repository(parsed.String())
+	if err != nil {
+		return nil, err
+	}
+	return endpoints(client, parsed.Registry, parsed.Repository, primary, opts.Mirrors)
+}
+
+// endpoints are the mirrors of repository name, then primary, its
+// registry's.
+func endpoints(client *transfer.Client, registry, name string, primary *remote.Repository, mirrors []string) ([]fetch.Endpoint, error) {
+	eps := make([]fetch.Endpoint, 0, len(mirrors)+1)
+	for _, m := range mirrors {
+		repo, _, err := client.Repository(m + "/" + name)
+		if err != nil {
+			return nil, fmt.Errorf("mirror %s: %w", m, err)
+		}
+		eps = append(eps, fetch.Endpoint{Name: m, Store: transfer.Ranged{Repository: repo}})
+	}
+	return append(eps, fetch.Endpoint{Name: registry, Store: transfer.Ranged{Repository: primary}}), nil
 }
 
 // resolveDigest reads the manifest d from ep, checks that its bytes hash

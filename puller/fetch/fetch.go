@@ -78,6 +78,29 @@ type Options struct {
 	// written into the node cache (default 64 MiB; at least one chunk is
 	// always let in). Fetching waits while it is full.
 	WriteBuffer int64
+	// Peers, if set, are the other pullers of the node's pool
+	// (puller/peer): each chunk (or run of frames of one pack) is asked of
+	// its owner among them before any endpoint. What a peer serves is
+	// verified like an endpoint's answer; a peer that fails, is slow or
+	// lies costs a bounded wait, and the chunk is fetched from the
+	// endpoints.
+	Peers Peers
+}
+
+// Peers are the other node pullers a chunk may be taken from before the
+// endpoints (puller/peer.Pool). They are not trusted: the scheduler
+// verifies every chunk they serve.
+type Peers interface {
+	// Fetch asks the owner of chunks' unit of transfer (their blob: all
+	// of chunks are frames of one blob, in ascending order) for their
+	// bytes, decoded, and calls got with each chunk's in order as it
+	// arrives. got verifies them and returns an error if they are wrong:
+	// Fetch then stops, and avoids that peer for a while. Fetch returns
+	// how many chunks, from the first, got took; 0 if the node owns the
+	// unit itself, or no peer is live, or the owner failed. urgent says
+	// a sandbox is blocked on the first chunk: the wait for a peer is
+	// shorter.
+	Fetch(ctx context.Context, chunks []format.Chunk, urgent bool, got func(i int, data []byte) error) int
 }
 
 // Priority orders fetches.
@@ -742,7 +765,15 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 	if len(todo) == 0 {
 		return
 	}
-	done := s.fetchRange(todo, tflights, ends)
+	// Peers first (Options.Peers), then the endpoints for the rest.
+	done := s.fromPeers(todo, func(i int, data []byte) {
+		s.publish(todo[i], data)
+		if f := tflights[i]; f != nil {
+			f.verify(data)
+		}
+		s.store(todo[i].chunk, data, ends[i])
+	})
+	done += s.fetchRange(todo[done:], tflights[done:], ends[done:])
 	// The rest go back in their queues, each to be fetched on its own by
 	// any worker (with retries and backoff), rather than one after the
 	// other here. Their node-wide fetches end first: other mounts waiting
@@ -757,6 +788,36 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		}
 	}
 }
+
+// fromPeers asks the peers (Options.Peers) for the chunks of calls,
+// frames of one blob in ascending order, and verifies each they serve;
+// took gets each verified chunk's index and bytes, in order. It returns
+// how many chunks, from the first, it got: 0 without peers.
+func (s *Scheduler) fromPeers(calls []*call, took func(i int, data []byte)) int {
+	if s.opts.Peers == nil || len(calls) == 0 {
+		return 0
+	}
+	chunks := make([]format.Chunk, len(calls))
+	for i, cl := range calls {
+		chunks[i] = cl.chunk
+	}
+	s.mu.Lock()
+	urgent := calls[0].prio == Fault
+	s.mu.Unlock()
+	return s.opts.Peers.Fetch(s.ctx, chunks, urgent, func(i int, data []byte) error {
+		c := chunks[i]
+		if err := s.codec.Verify(c, data); err != nil {
+			s.opts.Metrics.verifyFailed(peerEndpoint)
+			return err
+		}
+		s.fetched(c, Endpoint{Name: peerEndpoint})
+		took(i, data)
+		return nil
+	})
+}
+
+// peerEndpoint names the peers in metrics and the fetch log.
+const peerEndpoint = "peers"
 
 // errRangeFailed ends a node-wide fetch whose range request failed.
 var errRangeFailed = errors.New("range request failed; the chunk is fetched on its own")
@@ -776,6 +837,9 @@ func (s *Scheduler) requeueSingle(cl *call) bool {
 // calls, from the first, it served; a frame that fails to arrive or to
 // verify stops it there.
 func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]byte, error)) int {
+	if len(calls) == 0 {
+		return 0
+	}
 	last := calls[len(calls)-1].chunk
 	end := last.PackOffset + last.BlobSize
 	desc := calls[0].chunk.BlobDescriptor()
@@ -864,10 +928,13 @@ func (s *Scheduler) fetchAndStore(cl *call, verified func([]byte), done func(dat
 		done(nil, nil)
 		return
 	}
-	data, err := s.fetch(c)
-	if err != nil {
-		done(nil, err)
-		return
+	var data []byte
+	if s.fromPeers([]*call{cl}, func(_ int, d []byte) { data = d }) == 0 {
+		var err error
+		if data, err = s.fetch(c); err != nil {
+			done(nil, err)
+			return
+		}
 	}
 	s.publish(cl, data)
 	if verified != nil {

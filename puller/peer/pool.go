@@ -1,0 +1,523 @@
+package peer
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/opencontainers/go-digest"
+)
+
+// PoolOptions configure a Pool.
+type PoolOptions struct {
+	// Peers are the pool's members: "host:port", or "dns:NAME:PORT" for
+	// every address NAME resolves to (a headless Service of the pullers'
+	// DaemonSet), resolved again every Refresh. Every member must list
+	// the same peers: a member's identity in the hashing is its entry
+	// ("host:port" as given, or the resolved "ip:port").
+	Peers []string
+	// Self is the address this node's peer server listens on ("" if it
+	// serves none): the member at that address is this node, which
+	// fetches the units it owns upstream itself. A listen address without
+	// a host (":7070") or with an unspecified one matches every address
+	// of the node's interfaces on its port.
+	Self string
+	// Token is the pool's shared secret, sent with every request.
+	Token string
+	// TLS, if set, is used to reach peers (https); else plain HTTP.
+	TLS *tls.Config
+	// Refresh is how often dns: members are resolved again (default
+	// 30 s).
+	Refresh time.Duration
+	// AvoidFor is how long a peer that failed is left out of the pool
+	// (default 30 s, doubled for each failure in a row, up to 8 times as
+	// long).
+	AvoidFor time.Duration
+	// UrgentWait and BackgroundWait bound how long a peer may go without
+	// sending a byte while a sandbox is blocked on a chunk (default 2 s)
+	// or not (default 30 s), before the chunk is fetched upstream.
+	// A whole request is bounded by 5 times as much.
+	UrgentWait, BackgroundWait time.Duration
+	// Logger receives failures. Default: slog.Default().
+	Logger *slog.Logger
+	// Metrics, if set, counts peer traffic and errors.
+	Metrics *Metrics
+	// Resolver resolves dns: members and host names (default
+	// net.DefaultResolver).
+	Resolver *net.Resolver
+}
+
+// Pool is this node's view of its peers: which are live, and which owns a
+// unit of transfer. It implements fetch.Peers for each repository (For).
+type Pool struct {
+	opts   PoolOptions
+	client *http.Client
+	scheme string
+
+	mu      sync.Mutex
+	members []member
+	avoided map[string]avoidance
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+// member is one peer of the pool.
+type member struct {
+	addr string // host:port, the identity hashed
+	self bool
+	// name is the dns: name it was resolved from ("" for host:port).
+	name string
+}
+
+// avoidance is a peer left out after failures.
+type avoidance struct {
+	until    time.Time
+	failures int
+}
+
+// NewPool resolves the peers once and returns the pool; dns: members are
+// resolved again every Refresh until Close. A peer list that names no one
+// is an error; names that do not resolve yet are logged and tried again.
+func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
+	if len(opts.Peers) == 0 {
+		return nil, errors.New("peer pool: no peers")
+	}
+	if len(opts.Token) < MinTokenBytes {
+		return nil, fmt.Errorf("peer pool: token of %d bytes, want at least %d", len(opts.Token), MinTokenBytes)
+	}
+	for _, e := range opts.Peers {
+		if _, _, err := parseEntry(e); err != nil {
+			return nil, err
+		}
+	}
+	if opts.Self != "" {
+		if _, _, err := net.SplitHostPort(opts.Self); err != nil {
+			return nil, fmt.Errorf("peer pool: own address %q: %w", opts.Self, err)
+		}
+	}
+	if opts.Refresh <= 0 {
+		opts.Refresh = 30 * time.Second
+	}
+	if opts.AvoidFor <= 0 {
+		opts.AvoidFor = 30 * time.Second
+	}
+	if opts.UrgentWait <= 0 {
+		opts.UrgentWait = 2 * time.Second
+	}
+	if opts.BackgroundWait <= 0 {
+		opts.BackgroundWait = 30 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.Resolver == nil {
+		opts.Resolver = net.DefaultResolver
+	}
+	p := &Pool{opts: opts, scheme: "http", avoided: map[string]avoidance{}, stop: make(chan struct{})}
+	tr := &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: opts.UrgentWait, KeepAlive: 30 * time.Second}).DialContext,
+		TLSClientConfig:     opts.TLS,
+		TLSHandshakeTimeout: opts.UrgentWait,
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+	}
+	if opts.TLS != nil {
+		p.scheme = "https"
+	}
+	p.client = &http.Client{Transport: tr}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	p.resolve(rctx)
+	cancel()
+	p.wg.Add(1)
+	go p.refresh()
+	return p, nil
+}
+
+// Close stops re-resolving the peers and closes idle connections.
+func (p *Pool) Close() {
+	close(p.stop)
+	p.wg.Wait()
+	p.client.CloseIdleConnections()
+}
+
+func (p *Pool) refresh() {
+	defer p.wg.Done()
+	t := time.NewTicker(p.opts.Refresh)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.stop:
+			return
+		case <-t.C:
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			p.resolve(ctx)
+			cancel()
+		}
+	}
+}
+
+// parseEntry splits a --peers entry into a DNS name (dns:NAME:PORT; host
+// empty) or a host, and its port.
+func parseEntry(e string) (name, hostport string, err error) {
+	if rest, ok := strings.CutPrefix(e, "dns:"); ok {
+		n, port, err := net.SplitHostPort(rest)
+		if err != nil || n == "" || port == "" {
+			return "", "", fmt.Errorf("peer %q: want dns:NAME:PORT", e)
+		}
+		return n, port, nil
+	}
+	host, port, err := net.SplitHostPort(e)
+	if err != nil || host == "" || port == "" {
+		return "", "", fmt.Errorf("peer %q: want host:port or dns:NAME:PORT", e)
+	}
+	return "", net.JoinHostPort(host, port), nil
+}
+
+// resolve computes the members from the entries; a name that does not
+// resolve keeps the members it had.
+func (p *Pool) resolve(ctx context.Context) {
+	self := p.selfIPs(ctx)
+	isSelf := func(ip net.IP, port string) bool {
+		if self == nil || port != self.port {
+			return false
+		}
+		return slices.ContainsFunc(self.ips, ip.Equal)
+	}
+	p.mu.Lock()
+	old := p.members
+	p.mu.Unlock()
+	seen := map[string]bool{}
+	var ms []member
+	add := func(m member) {
+		if !seen[m.addr] {
+			seen[m.addr] = true
+			ms = append(ms, m)
+		}
+	}
+	for _, e := range p.opts.Peers {
+		name, hp, _ := parseEntry(e)
+		if name != "" {
+			port := hp
+			ips, err := p.opts.Resolver.LookupIP(ctx, "ip", name)
+			if err != nil {
+				p.opts.Logger.Warn("resolve peers", "name", name, "err", err)
+				for _, m := range old {
+					if m.name == name {
+						add(m)
+					}
+				}
+				continue
+			}
+			for _, ip := range ips {
+				add(member{addr: net.JoinHostPort(ip.String(), port), self: isSelf(ip, port), name: name})
+			}
+			continue
+		}
+		host, port, _ := net.SplitHostPort(hp)
+		ips := []net.IP{net.ParseIP(host)}
+		if ips[0] == nil {
+			ips, _ = p.opts.Resolver.LookupIP(ctx, "ip", host)
+		}
+		add(member{addr: hp, self: slices.ContainsFunc(ips, func(ip net.IP) bool { return isSelf(ip, port) })})
+	}
+	slices.SortFunc(ms, func(a, b member) int { return strings.Compare(a.addr, b.addr) })
+	p.mu.Lock()
+	p.members = ms
+	p.setLive()
+	p.mu.Unlock()
+}
+
+// selfAddr is the addresses and port of this node's own peer server.
+type selfAddr struct {
+	ips  []net.IP
+	port string
+}
+
+// selfIPs returns the addresses that are this node's peer server, nil if
+// it serves none.
+func (p *Pool) selfIPs(ctx context.Context) *selfAddr {
+	if p.opts.Self == "" {
+		return nil
+	}
+	host, port, _ := net.SplitHostPort(p.opts.Self)
+	ip := net.ParseIP(host)
+	switch {
+	case host == "" || ip != nil && ip.IsUnspecified():
+		addrs, err := net.InterfaceAddrs()
+		if err != nil {
+			p.opts.Logger.Warn("list the node's addresses", "err", err)
+		}
+		s := &selfAddr{port: port}
+		for _, a := range addrs {
+			if n, ok := a.(*net.IPNet); ok {
+				s.ips = append(s.ips, n.IP)
+			}
+		}
+		return s
+	case ip != nil:
+		return &selfAddr{ips: []net.IP{ip}, port: port}
+	default:
+		ips, err := p.opts.Resolver.LookupIP(ctx, "ip", host)
+		if err != nil {
+			p.opts.Logger.Warn("resolve the node's own peer address", "host", host, "err", err)
+		}
+		return &selfAddr{ips: ips, port: port}
+	}
+}
+
+// Members returns the peers not being avoided, and which of them is this
+// node ("" if none).
+func (p *Pool) Members() (live []string, self string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	for _, m := range p.members {
+		if m.self {
+			self = m.addr
+		}
+		if m.self || !now.Before(p.avoided[m.addr].until) {
+			live = append(live, m.addr)
+		}
+	}
+	return live, self
+}
+
+// setLive updates the live gauge; p.mu is held.
+func (p *Pool) setLive() {
+	now := time.Now()
+	n := 0
+	for _, m := range p.members {
+		if m.self || !now.Before(p.avoided[m.addr].until) {
+			n++
+		}
+	}
+	p.opts.Metrics.setLive(n)
+}
+
+// owner returns the live member that owns unit u by rendezvous hashing:
+// the highest score of sha256(member, u) wins, so that a peer joining or
+// leaving moves only the units it owns.
+func (p *Pool) owner(u digest.Digest) (member, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	var best member
+	var bestScore uint64
+	found := false
+	for _, m := range p.members {
+		if !m.self && now.Before(p.avoided[m.addr].until) {
+			continue
+		}
+		if s := score(m.addr, u); !found || s > bestScore {
+			best, bestScore, found = m, s, true
+		}
+	}
+	return best, found
+}
+
+// score is member addr's rendezvous weight for unit u.
+func score(addr string, u digest.Digest) uint64 {
+	h := sha256.New()
+	h.Write([]byte(addr))
+	h.Write([]byte{0})
+	h.Write([]byte(u))
+	return binary.BigEndian.Uint64(h.Sum(nil))
+}
+
+// avoid leaves peer addr out for a while after a failure: AvoidFor,
+// doubled for each failure in a row after it was let back in, up to 8
+// times. Failures of requests that were in flight when it was first
+// avoided do not count again.
+func (p *Pool) avoid(addr string, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	a := p.avoided[addr]
+	if now.Before(a.until) {
+		return
+	}
+	if now.After(a.until.Add(p.opts.AvoidFor)) {
+		a.failures = 0 // it had recovered
+	}
+	a.failures = min(a.failures+1, 4)
+	d := p.opts.AvoidFor << (a.failures - 1)
+	a.until = now.Add(d)
+	p.avoided[addr] = a
+	p.setLive()
+	p.opts.Logger.Warn("peer avoided", "peer", addr, "for", d, "err", err)
+}
+
+// For returns the pool as the fetch.Peers of snapshots of repository
+// ("host[:port]/name"), where owners fetch what they lack.
+func (p *Pool) For(repository string) fetch.Peers { return repoPeers{p, repository} }
+
+type repoPeers struct {
+	p    *Pool
+	repo string
+}
+
+// Fetch implements fetch.Peers.
+func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, urgent bool, got func(int, []byte) error) int {
+	return r.p.fetch(ctx, r.repo, chunks, urgent, got)
+}
+
+// Errors of a peer request, as counted.
+var (
+	errStalled = errors.New("peer sent nothing for too long")
+	errShort   = errors.New("peer ended its answer early (it could not get the chunk)")
+)
+
+// corruptError is a chunk a peer served that did not verify.
+type corruptError struct{ err error }
+
+func (e corruptError) Error() string { return "served a chunk that does not verify: " + e.err.Error() }
+func (e corruptError) Unwrap() error { return e.err }
+
+// statusError is a peer's answer other than 200.
+type statusError struct {
+	code int
+	msg  string
+}
+
+func (e statusError) Error() string { return fmt.Sprintf("peer answered %d: %s", e.code, e.msg) }
+
+func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, urgent bool, got func(int, []byte) error) int {
+	if len(chunks) == 0 {
+		return 0
+	}
+	owner, ok := p.owner(chunks[0].Blob)
+	if !ok || owner.self {
+		return 0
+	}
+	n, err := p.ask(ctx, owner.addr, repo, chunks, urgent, got)
+	if err == nil || ctx.Err() != nil {
+		return n
+	}
+	kind := errorKind(err)
+	p.opts.Metrics.failed(kind)
+	switch kind {
+	case "busy", "short":
+		// Alive, but without the chunk now: upstream, no avoidance.
+		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
+	default:
+		p.avoid(owner.addr, err)
+	}
+	return n
+}
+
+// errorKind names err's kind for the metrics.
+func errorKind(err error) string {
+	var se statusError
+	var ce corruptError
+	var ne net.Error
+	switch {
+	case errors.As(err, &ce):
+		return "corrupt"
+	case errors.Is(err, errStalled):
+		return "timeout"
+	case errors.Is(err, errShort):
+		return "short"
+	case errors.As(err, &se) && (se.code == http.StatusUnauthorized || se.code == http.StatusForbidden):
+		return "refused"
+	case errors.As(err, &se) && se.code == http.StatusServiceUnavailable:
+		return "busy"
+	case errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	case errors.As(err, new(*net.OpError)):
+		return "unreachable"
+	}
+	return "other"
+}
+
+// ask requests chunks of peer addr and hands each to got as it arrives.
+// The request is canceled when the peer sends nothing for the wait, or
+// takes 5 times as long in all.
+func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk, urgent bool, got func(int, []byte) error) (int, error) {
+	wait := p.opts.BackgroundWait
+	if urgent {
+		wait = p.opts.UrgentWait
+	}
+	req := request{Repository: repo, Urgent: urgent, Chunks: make([]wireChunk, len(chunks))}
+	for i, c := range chunks {
+		req.Chunks[i] = toWire(c)
+	}
+	body, err := json.Marshal(req)
+	if err != nil {
+		return 0, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*wait)
+	defer cancel()
+	var stalled atomic.Bool
+	timer := time.AfterFunc(wait, func() { stalled.Store(true); cancel() })
+	defer timer.Stop()
+	stallErr := func(err error) error {
+		if stalled.Load() {
+			return fmt.Errorf("%w (%s): %v", errStalled, wait, err)
+		}
+		return err
+	}
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+addr+ChunksPath, bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	hr.Header.Set("Authorization", "Bearer "+p.opts.Token)
+	hr.Header.Set("Content-Type", "application/json")
+	resp, err := p.client.Do(hr)
+	if err != nil {
+		return 0, stallErr(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return 0, statusError{resp.StatusCode, strings.TrimSpace(string(msg))}
+	}
+	r := &progressReader{r: resp.Body, progress: func() { timer.Reset(wait) }}
+	for i, c := range chunks {
+		buf := make([]byte, c.Size)
+		if _, err := io.ReadFull(r, buf); err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+				if stalled.Load() {
+					return i, stallErr(err)
+				}
+				return i, errShort
+			}
+			return i, stallErr(err)
+		}
+		if err := got(i, buf); err != nil {
+			return i, corruptError{err}
+		}
+		p.opts.Metrics.receivedBytes(c.Size)
+	}
+	return len(chunks), nil
+}
+
+// progressReader calls progress after every read that returned bytes.
+type progressReader struct {
+	r        io.Reader
+	progress func()
+}
+
+func (r *progressReader) Read(b []byte) (int, error) {
+	n, err := r.r.Read(b)
+	if n > 0 {
+		r.progress()
+	}
+	return n, err
+}

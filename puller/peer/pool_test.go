@@ -1,0 +1,182 @@
+package peer
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/opencontainers/go-digest"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+const token = "pool-token-0123456789abcdef"
+
+func newPool(t *testing.T, opts PoolOptions) *Pool {
+	t.Helper()
+	if opts.Token == "" {
+		opts.Token = token
+	}
+	p, err := NewPool(context.Background(), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+func units(n int) []digest.Digest {
+	out := make([]digest.Digest, n)
+	for i := range out {
+		out[i] = digest.FromString(fmt.Sprint(i))
+	}
+	return out
+}
+
+// TestOwnersSpreadAndMoveLittle: every member owns about its share of
+// the units, every node computes the same owners, and a member that goes
+// away moves only the units it owned.
+func TestOwnersSpreadAndMoveLittle(t *testing.T) {
+	peers := []string{"10.0.0.1:7070", "10.0.0.2:7070", "10.0.0.3:7070", "10.0.0.4:7070"}
+	a := newPool(t, PoolOptions{Peers: peers, Self: "10.0.0.1:7070"})
+	b := newPool(t, PoolOptions{Peers: []string{peers[3], peers[2], peers[1], peers[0]}})
+	us := units(4000)
+	count := map[string]int{}
+	before := map[digest.Digest]string{}
+	for _, u := range us {
+		oa, _ := a.owner(u)
+		ob, _ := b.owner(u)
+		if oa.addr != ob.addr {
+			t.Fatalf("unit %s: owner %s on one node, %s on another", u, oa.addr, ob.addr)
+		}
+		count[oa.addr]++
+		before[u] = oa.addr
+	}
+	for _, p := range peers {
+		if count[p] < 800 || count[p] > 1200 {
+			t.Errorf("%s owns %d of 4000 units, want about 1000: %v", p, count[p], count)
+		}
+	}
+	if o, _ := a.owner(us[0]); o.self != (o.addr == peers[0]) {
+		t.Errorf("owner %+v: self wrong", o)
+	}
+	b.avoid(peers[2], fmt.Errorf("test"))
+	for _, u := range us {
+		o, _ := b.owner(u)
+		if o.addr == peers[2] {
+			t.Fatalf("unit %s still owned by the avoided peer", u)
+		}
+		if before[u] != peers[2] && o.addr != before[u] {
+			t.Fatalf("unit %s moved from %s to %s though its owner stayed", u, before[u], o.addr)
+		}
+	}
+	if live, _ := b.Members(); len(live) != 3 {
+		t.Errorf("live members %v, want 3", live)
+	}
+}
+
+// TestSelfAndDNS: dns: entries resolve to every address of the name, and
+// a listen address without a host matches this node's own addresses.
+func TestSelfAndDNS(t *testing.T) {
+	p := newPool(t, PoolOptions{Peers: []string{"dns:localhost:7070", "10.9.9.9:7070"}, Self: ":7070"})
+	live, self := p.Members()
+	host, port, err := net.SplitHostPort(self)
+	if err != nil || port != "7070" || !net.ParseIP(host).IsLoopback() {
+		t.Fatalf("self %q, want localhost's address (members %v)", self, live)
+	}
+	if len(live) < 2 {
+		t.Fatalf("members %v, want localhost's and 10.9.9.9", live)
+	}
+	if !strings.Contains(strings.Join(live, " "), "10.9.9.9:7070") {
+		t.Fatalf("members %v lack 10.9.9.9:7070", live)
+	}
+	q := newPool(t, PoolOptions{Peers: []string{"127.0.0.1:7070"}, Self: "127.0.0.1:7071"})
+	if _, self := q.Members(); self != "" {
+		t.Fatalf("another port is self: %q", self)
+	}
+}
+
+func TestBadPools(t *testing.T) {
+	for _, o := range []PoolOptions{
+		{Token: token},
+		{Peers: []string{"a:1"}, Token: "short"},
+		{Peers: []string{"nohostport"}, Token: token},
+		{Peers: []string{"dns:name"}, Token: token},
+		{Peers: []string{":7070"}, Token: token},
+		{Peers: []string{"a:1"}, Token: token, Self: "noport"},
+	} {
+		if _, err := NewPool(context.Background(), o); err == nil {
+			t.Errorf("NewPool(%+v) took it", o)
+		}
+	}
+}
+
+// TestRequestChecks: the server refuses requests it must not act on.
+func TestRequestChecks(t *testing.T) {
+	good := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 4096, BlobSize: 4096}
+	other := good
+	other.Digest, other.Blob = digest.FromString("b"), digest.FromString("b")
+	big := good
+	big.Size, big.BlobSize = format.MaxChunkSize+1, format.MaxChunkSize+1
+	zero := format.Chunk{Encoding: format.EncodingZero, Size: 4096}
+	lying := good
+	lying.BlobSize = 1
+	many := make([]wireChunk, MaxChunks+1)
+	for i := range many {
+		many[i] = toWire(good)
+	}
+	for name, r := range map[string]request{
+		"no repository": {Chunks: []wireChunk{toWire(good)}},
+		"no chunks":     {Repository: "r/x"},
+		"two blobs":     {Repository: "r/x", Chunks: []wireChunk{toWire(good), toWire(other)}},
+		"too large":     {Repository: "r/x", Chunks: []wireChunk{toWire(big)}},
+		"zero":          {Repository: "r/x", Chunks: []wireChunk{toWire(zero)}},
+		"lying sizes":   {Repository: "r/x", Chunks: []wireChunk{toWire(lying)}},
+		"too many":      {Repository: "r/x", Chunks: many},
+	} {
+		if _, err := r.check(); err == nil {
+			t.Errorf("%s: request taken", name)
+		}
+	}
+	if _, err := (&request{Repository: "r/x", Chunks: []wireChunk{toWire(good), toWire(good)}}).check(); err != nil {
+		t.Errorf("good request refused: %v", err)
+	}
+}
+
+// TestStalledPeerGivesUp: a peer that accepts a request and sends nothing
+// costs the wait, counted as a timeout; the chunk is not taken from it
+// and it is avoided.
+func TestStalledPeerGivesUp(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release)
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	reg := prometheus.NewRegistry()
+	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
+	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, func(int, []byte) error {
+		t.Error("a chunk was taken from a peer that sent none")
+		return nil
+	})
+	if n != 0 {
+		t.Fatalf("took %d chunks", n)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != 1 {
+		t.Fatalf("timeouts counted: %v, want 1", got)
+	}
+	if live, _ := p.Members(); len(live) != 0 {
+		t.Fatalf("the stalled peer is still live: %v", live)
+	}
+}

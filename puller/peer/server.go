@@ -1,0 +1,150 @@
+package peer
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+
+	"github.com/cryo-oci/cryo/format"
+)
+
+// Chunks is what a Server serves from: the node's puller.
+type Chunks interface {
+	// ServeChunks gets each of chunks (frames of one blob of the
+	// repository, "host[:port]/name") verified, from the node cache, a
+	// fetch in flight on the node, or upstream (fetched once, however
+	// many peers ask), and calls emit with its bytes, in order. It stops
+	// at the first chunk it cannot get, or when emit fails. The bytes
+	// passed to emit must not be kept.
+	ServeChunks(ctx context.Context, repository string, chunks []format.Chunk, urgent bool, emit func(data []byte) error) error
+}
+
+// ServerOptions configure a Server.
+type ServerOptions struct {
+	// Token is the pool's shared secret (at least MinTokenBytes): a
+	// request without it is refused before anything is read.
+	Token string
+	// MaxRequests bounds the requests served at once (default 256);
+	// requests beyond get 503 and the asking peer goes upstream.
+	MaxRequests int
+	// Logger receives refusals and failures. Default: slog.Default().
+	Logger *slog.Logger
+	// Metrics, if set, counts what is served.
+	Metrics *Metrics
+}
+
+// Server serves a node's chunks to the other pullers of its pool
+// (SPEC.md 17): POST ChunksPath, with the pool token. It is an
+// http.Handler; serve it over TLS where the pool's network is not
+// private.
+type Server struct {
+	chunks Chunks
+	opts   ServerOptions
+	token  [sha256.Size]byte
+	slots  chan struct{}
+}
+
+// NewServer returns a Server of chunks.
+func NewServer(chunks Chunks, opts ServerOptions) (*Server, error) {
+	if len(opts.Token) < MinTokenBytes {
+		return nil, fmt.Errorf("peer token of %d bytes: want at least %d", len(opts.Token), MinTokenBytes)
+	}
+	if opts.MaxRequests <= 0 {
+		opts.MaxRequests = 256
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	return &Server{chunks: chunks, opts: opts, token: sha256.Sum256([]byte(opts.Token)), slots: make(chan struct{}, opts.MaxRequests)}, nil
+}
+
+// authorized reports whether r carries the pool token, comparing in
+// constant time (hashes, so that not even its length leaks).
+func (s *Server) authorized(r *http.Request) bool {
+	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok {
+		return false
+	}
+	h := sha256.Sum256([]byte(got))
+	return subtle.ConstantTimeCompare(h[:], s.token[:]) == 1
+}
+
+// ServeHTTP serves one chunks request: the chunks' decoded bytes, one
+// after the other in the order asked, streamed as each is ready; the
+// body ends early at the first chunk the node cannot get.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path != ChunksPath {
+		http.NotFound(w, r)
+		return
+	}
+	if !s.authorized(r) {
+		s.opts.Metrics.refused()
+		s.opts.Logger.Warn("peer request without the pool token refused", "remote", r.RemoteAddr)
+		w.Header().Set("WWW-Authenticate", `Bearer realm="cryo-peer"`)
+		http.Error(w, "pool token required", http.StatusUnauthorized)
+		return
+	}
+	if r.Method != http.MethodPost {
+		w.Header().Set("Allow", http.MethodPost)
+		http.Error(w, "POST only", http.StatusMethodNotAllowed)
+		return
+	}
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	default:
+		http.Error(w, "busy", http.StatusServiceUnavailable)
+		return
+	}
+	var req request
+	body, err := io.ReadAll(io.LimitReader(r.Body, MaxRequestBytes+1))
+	if err != nil {
+		http.Error(w, "read request: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	if len(body) > MaxRequestBytes {
+		http.Error(w, fmt.Sprintf("request over %d bytes", MaxRequestBytes), http.StatusRequestEntityTooLarge)
+		return
+	}
+	dec := json.NewDecoder(strings.NewReader(string(body)))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		http.Error(w, "request: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	chunks, err := req.check()
+	if err != nil {
+		http.Error(w, "request: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.WriteHeader(http.StatusOK)
+	flusher, _ := w.(http.Flusher)
+	if flusher != nil {
+		// The header tells the asking peer this one is alive before the
+		// first chunk is ready: a slow chunk is then told from a dead peer.
+		flusher.Flush()
+	}
+	served := 0
+	err = s.chunks.ServeChunks(r.Context(), req.Repository, chunks, req.Urgent, func(data []byte) error {
+		if _, err := w.Write(data); err != nil {
+			return err
+		}
+		if flusher != nil {
+			flusher.Flush()
+		}
+		s.opts.Metrics.servedBytes(int64(len(data)))
+		served++
+		return nil
+	})
+	if err != nil && r.Context().Err() == nil && !errors.Is(err, context.Canceled) {
+		s.opts.Logger.Warn("peer request: chunks not served", "remote", r.RemoteAddr, "repository", req.Repository, "blob", chunks[0].Blob, "served", served, "asked", len(chunks), "err", err)
+	}
+}
