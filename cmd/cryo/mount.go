@@ -32,6 +32,7 @@ type pullerFlags struct {
 	// client is shared by every reference resolved (the daemon's too),
 	// built on first use.
 	client *transfer.Client
+	peer   peerFlags
 }
 
 func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
@@ -49,6 +50,7 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 	fl.MarkHidden("prefetch-list")
 	fl.StringVar(&f.profile, "profile", "auto", profileHelp)
 	fl.DurationVar(&f.recordFor, "record-for", 0, "how long after the sandbox's first read of pages.img a mount records its working set (default 30s)")
+	f.peer.register(cmd)
 }
 
 // options are the puller's options from the flags.
@@ -64,10 +66,19 @@ func (f *pullerFlags) options() (puller.Options, error) {
 	return opts, nil
 }
 
-func (f *pullerFlags) open() (*puller.Puller, error) {
+// open opens the node's puller, asking --peers for chunks (it serves
+// them none: that is the daemon's --peer-listen).
+func (f *pullerFlags) open(ctx context.Context) (*puller.Puller, error) {
 	opts, err := f.options()
 	if err != nil {
 		return nil, err
+	}
+	pool, err := f.peer.pool(ctx, "", nil, nil)
+	if err != nil {
+		return nil, err
+	}
+	if pool != nil {
+		opts.Peers = pool
 	}
 	return puller.New(opts)
 }
@@ -145,7 +156,7 @@ gofer for that command only (never install it as runsc's own).`,
 			if err := noCoreDumps(); err != nil {
 				return err
 			}
-			p, err := pf.open()
+			p, err := pf.open(ctx)
 			if err != nil {
 				return err
 			}
@@ -280,7 +291,7 @@ to the snapshot in its repository (the node needs push access).`,
 			}
 			vc := make(chan version, 1)
 			go func() { v, err := restore.RunscVersion(ctx, runsc); vc <- version{v, err} }()
-			p, err := pf.open()
+			p, err := pf.open(ctx)
 			if err != nil {
 				return err
 			}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 	"github.com/cryo-oci/cryo/puller/daemon"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/peer"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -38,6 +40,8 @@ func newPullerServeCmd() *cobra.Command {
 		metricsAddr       string
 		socketGroup       string
 		maxMounts         int
+		peerListen        string
+		peerCert, peerKey string
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -70,8 +74,23 @@ come from Docker's credential store only (DOCKER_CONFIG), never from flags:
 a reference posted to the API may name any registry. At most --max-mounts
 mounts are live at once; a mount request over it gets 503.
 
+Peers: the pullers of a pool (the nodes of a DaemonSet) share chunks, so
+that a chunk leaves the registry about once per pool. --peers lists them
+(host:port, or dns:NAME:PORT for a headless Service); each chunk (each
+pack, in format v2) has an owner among the live ones, by rendezvous
+hashing, which this node asks first; the owner serves it from its cache,
+joins its own fetch in flight, or fetches it upstream once for everyone.
+--peer-listen serves this node's share. Peers are asked before mirrors and
+the registry; what they serve is verified like a registry's answer, and a
+dead, slow or lying peer costs a bounded wait (2s when a sandbox waits, 30s
+in the background), is avoided for 30s or more, and the chunk is fetched
+upstream. Every request carries the pool token (--peer-token-file): a pool
+is one trust domain, whose members may read, through the owner's
+credentials, what any member may.
+
 Logs are structured (JSON) on stderr.`,
 		Example: `  cryo puller serve --socket /run/cryo/puller.sock --cache /var/lib/cryo --mirror mirror.eu:5000
+  cryo puller serve --peer-listen :7070 --peers dns:cryo-puller-peers.cryo.svc:7070 --peer-token-file /etc/cryo/peer/token
   curl --unix-socket /run/cryo/puller.sock -d '{"ref":"registry:5000/app:v1"}' http://puller/v1/mounts`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -95,6 +114,24 @@ Logs are structured (JSON) on stderr.`,
 				return err
 			}
 			opts.Logger, opts.FetchMetrics = log, fetch.NewMetrics(reg)
+			var pm *peer.Metrics
+			if len(pf.peer.peers) > 0 || peerListen != "" {
+				pm = peer.NewMetrics(reg)
+			}
+			pool, err := pf.peer.pool(ctx, peerListen, log, pm)
+			if err != nil {
+				return err
+			}
+			if pool != nil {
+				defer pool.Close()
+				opts.Peers = pool
+			}
+			// What this node serves its peers and lacks, it fetches from
+			// the repository's mirrors and registry, with its own
+			// credentials.
+			opts.PeerUpstream = func(ctx context.Context, repository string) ([]fetch.Endpoint, error) {
+				return puller.Endpoints(repository, puller.ResolveOptions{Mirrors: pf.mirrors, Client: pf.client})
+			}
 			p, err := puller.New(opts)
 			if err != nil {
 				return err
@@ -140,7 +177,7 @@ Logs are structured (JSON) on stderr.`,
 			}
 			defer ln.Close()
 			srv := &http.Server{Handler: d.Handler(), ReadHeaderTimeout: 10 * time.Second}
-			errc := make(chan error, 2)
+			errc := make(chan error, 3)
 			go func() { errc <- srv.Serve(ln) }()
 			var msrv *http.Server
 			if metricsAddr != "" {
@@ -151,7 +188,16 @@ Logs are structured (JSON) on stderr.`,
 				msrv = &http.Server{Handler: d.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second}
 				go func() { errc <- msrv.Serve(mln) }()
 			}
-			log.Info("puller serving", "socket", socket, "socket_group", gid, "cache", pf.cacheDir, "mounts", mountsDir, "mirrors", pf.mirrors, "max_mounts", maxMounts, "metrics", metricsAddr)
+			if peerListen != "" {
+				psrv, err := servePeers(p, peerListen, peerCert, peerKey, pf.peer, log, pm, errc)
+				if err != nil {
+					return err
+				}
+				defer psrv.Close()
+			} else if peerCert != "" || peerKey != "" {
+				return errors.New("--peer-tls-cert and --peer-tls-key need --peer-listen")
+			}
+			log.Info("puller serving", "socket", socket, "socket_group", gid, "cache", pf.cacheDir, "mounts", mountsDir, "mirrors", pf.mirrors, "max_mounts", maxMounts, "metrics", metricsAddr, "peers", pf.peer.peers, "peer_listen", peerListen)
 			fmt.Fprintf(cmd.OutOrStdout(), "cryo puller listening on %s\n", socket)
 			select {
 			case err := <-errc:
@@ -174,6 +220,46 @@ Logs are structured (JSON) on stderr.`,
 	cmd.Flags().IntVar(&maxMounts, "max-mounts", daemon.DefaultMaxMounts, "live mounts at most; a mount request over it gets 503")
 	cmd.Flags().StringVar(&mountsDir, "mounts", "", "where mounts are made (default <cache>/mounts); must be visible to runsc")
 	cmd.Flags().StringVar(&installGofer, "install-gofer", "", "copy cryo's checkpoint gofer into this host dir at start, for runsc to use with GVISOR_SIDECAR_BINARIES_DIR=DIR (never gVisor's gvisor-bin dir)")
+	cmd.Flags().StringVar(&peerListen, "peer-listen", "", "serve this node's chunks to the other pullers of its pool on this TCP address (e.g. :7070), to callers with the pool token (--peer-token-file) only; chunks it lacks it fetches upstream once, with its own credentials, for whoever asks")
+	cmd.Flags().StringVar(&peerCert, "peer-tls-cert", "", "PEM certificate to serve --peer-listen over TLS with (peers then need --peer-ca)")
+	cmd.Flags().StringVar(&peerKey, "peer-tls-key", "", "PEM key of --peer-tls-cert")
 	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "", "serve /metrics and /healthz (not the mount API, which stays on --socket) on this TCP address, e.g. :9102")
 	return cmd
+}
+
+// servePeers serves p's chunks to its pool on addr (TLS if cert is set)
+// until the returned server is closed; a serving error goes to errc.
+func servePeers(p *puller.Puller, addr, cert, key string, pf peerFlags, log *slog.Logger, m *peer.Metrics, errc chan<- error) (*http.Server, error) {
+	token, err := pf.token()
+	if err != nil {
+		return nil, err
+	}
+	h, err := peer.NewServer(p, peer.ServerOptions{Token: token, Logger: log, Metrics: m})
+	if err != nil {
+		return nil, err
+	}
+	if (cert == "") != (key == "") {
+		return nil, errors.New("--peer-tls-cert and --peer-tls-key go together")
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--peer-listen: %w", err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	if cert != "" {
+		pair, err := tls.LoadX509KeyPair(cert, key)
+		if err != nil {
+			ln.Close()
+			return nil, fmt.Errorf("--peer-tls-cert/--peer-tls-key: %w", err)
+		}
+		srv.TLSConfig = &tls.Config{Certificates: []tls.Certificate{pair}, MinVersion: tls.VersionTLS12}
+		ln = tls.NewListener(ln, srv.TLSConfig)
+	}
+	go func() {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			errc <- fmt.Errorf("peer server: %w", err)
+		}
+	}()
+	log.Info("serving peers", "addr", ln.Addr().String(), "tls", cert != "")
+	return srv, nil
 }

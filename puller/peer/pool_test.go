@@ -2,6 +2,8 @@ package peer
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"net"
 	"net/http"
@@ -178,5 +180,59 @@ func TestStalledPeerGivesUp(t *testing.T) {
 	}
 	if live, _ := p.Members(); len(live) != 0 {
 		t.Fatalf("the stalled peer is still live: %v", live)
+	}
+}
+
+// held serves chunks from a map, as a node holding them would.
+type held map[digest.Digest][]byte
+
+func (h held) ServeChunks(_ context.Context, _ string, chunks []format.Chunk, _ bool, emit func([]byte) error) error {
+	for _, c := range chunks {
+		data, ok := h[c.Digest]
+		if !ok {
+			return fmt.Errorf("no %s", c.Digest)
+		}
+		if err := emit(data); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TestTLSAndShortAnswers: over TLS, with the server's CA, a pool takes the
+// chunks its peer holds, in order; the answer ends where the peer lacks
+// one, which is not the peer's fault (no avoidance).
+func TestTLSAndShortAnswers(t *testing.T) {
+	a, b := []byte("first chunk"), []byte("second chunk")
+	// Two frames of one pack.
+	pack, packSize := digest.FromString("pack"), int64(len(a)+len(b))
+	c1 := format.Chunk{Digest: digest.FromBytes(a), Blob: pack, PackSize: packSize, Encoding: format.EncodingRaw, Size: int64(len(a)), BlobSize: int64(len(a))}
+	c2 := format.Chunk{Digest: digest.FromBytes(b), Blob: pack, PackSize: packSize, PackOffset: int64(len(a)), Encoding: format.EncodingRaw, Size: int64(len(b)), BlobSize: int64(len(b))}
+	h, err := NewServer(held{c1.Digest: a}, ServerOptions{Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewTLSServer(h)
+	defer srv.Close()
+	roots := x509.NewCertPool()
+	roots.AddCert(srv.Certificate())
+	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{RootCAs: roots}})
+	var got [][]byte
+	take := func(i int, data []byte) error { got = append(got, data); return nil }
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, take); n != 1 || string(got[0]) != string(a) {
+		t.Fatalf("took %d chunks: %q", n, got)
+	}
+	// c2 is not held: the answer stops after c1, and c2 goes upstream.
+	got = nil
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, false, take); n != 1 {
+		t.Fatalf("took %d chunks, want 1 (the peer lacks the second)", n)
+	}
+	if live, _ := p.Members(); len(live) != 1 {
+		t.Fatalf("a peer that lacked a chunk was avoided")
+	}
+	// Without the CA, the peer's certificate is refused.
+	q := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{}})
+	if n := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, take); n != 0 {
+		t.Fatal("took a chunk from a peer whose certificate it cannot check")
 	}
 }
