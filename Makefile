@@ -6,6 +6,7 @@
 #   make conformance  the OCI distribution-spec conformance suite alone; reports in out/conformance/
 #   make bench   benchmarks: pack and dedup, push/pull vs oras, the puller; results go in docs/benchmarks.md
 #   make bench-load  32 concurrent pullers against one registry and two replicas
+#   make bench-fleet  fleets of 4, 16 and 32 node pullers (network namespaces, a tbf-shaped registry link) mount one new snapshot at once, with and without peers
 #   make bench-restore  real runsc restores (local, oras pull, cryo gofer and FUSE; an app with a hot set, with and without its working-set profile) and pauses (cryo checkpoint vs runsc checkpoint + cryo push)
 #   make gofer   cryo's gVisor checkpoint gofer into bin/cryo-gofer/ (make build runs it)
 
@@ -20,7 +21,7 @@ DEMO_SIZE  ?= 268435456
 # on a busy machine without any finding (go.dev/issue/75804, fixed in 1.27).
 FUZZTIME   ?= 500000x
 
-.PHONY: all build gofer runsc deps lint test test-go test-charts conformance fuzz bench bench-restore bench-load demo demo-format clean
+.PHONY: all build gofer runsc deps lint test test-go test-charts conformance fuzz bench bench-restore bench-load bench-fleet demo demo-format clean
 
 all: build
 
@@ -113,3 +114,10 @@ bench-restore: build deps
 # docs/benchmarks.md.
 bench-load: build deps
 	$(GO) run ./bench/loadbench -chart $(CURDIR)/docs/load.png
+
+# Fleets of node pullers (root: network namespaces, tbf, FUSE) mount one
+# new snapshot at once: one node alone, every node on the registry, every
+# node sharing chunks with its peers. Results and chart go in
+# docs/benchmarks.md.
+bench-fleet: build
+	$(GO) run ./bench/fleetbench -chart $(CURDIR)/docs/fleet.png
