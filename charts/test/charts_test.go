@@ -135,6 +135,7 @@ func TestChartsRefuseBadValues(t *testing.T) {
 		{"cryo-puller", []string{"cache.sizeBytes=200Gi"}, "cache.sizeBytes"},
 		{"cryo-puller", []string{"api.socketGroup=docker"}, "api.socketGroup"},
 		{"cryo-puller", []string{"api.maxMounts=lots"}, "api.maxMounts"},
+		{"cryo-puller", []string{"peers.enabled=true"}, "peers.tokenSecret"},
 	} {
 		args := []string{"template", "r", filepath.Join(root, "charts", tc.chart)}
 		for _, s := range tc.set {
@@ -307,6 +308,11 @@ func checkCommon(t *testing.T, r *rendered) {
 	for _, s := range r.services {
 		var selected []*corev1.PodSpec
 		for _, d := range r.deployments {
+			if labelsMatch(s.Spec.Selector, d.Spec.Template.Labels) {
+				selected = append(selected, &d.Spec.Template.Spec)
+			}
+		}
+		for _, d := range r.daemonSets {
 			if labelsMatch(s.Spec.Selector, d.Spec.Template.Labels) {
 				selected = append(selected, &d.Spec.Template.Spec)
 			}
@@ -515,7 +521,81 @@ func checkPuller(t *testing.T, r *rendered) {
 	if n, err := strconv.Atoi(argValue(c.Args, "--max-mounts")); err != nil || n <= 0 {
 		t.Errorf("--max-mounts=%q: want a positive number", argValue(c.Args, "--max-mounts"))
 	}
-	fmt.Fprintf(os.Stderr, "%s: fuse %v, privileged %v, mirrors %d, socket group %q\n", r.name, fuse, privileged, strings.Count(strings.Join(c.Args, " "), "--mirror="), argValue(c.Args, "--socket-group"))
+	peers := checkPeers(t, r, spec, c)
+	fmt.Fprintf(os.Stderr, "%s: fuse %v, privileged %v, mirrors %d, socket group %q, peers %v\n", r.name, fuse, privileged, strings.Count(strings.Join(c.Args, " "), "--mirror="), argValue(c.Args, "--socket-group"), peers)
+}
+
+// checkPeers checks a puller pool: the peer port is the container's, a
+// headless Service of the DaemonSet's pods publishes it under the name
+// --peers resolves, the token comes from a Secret's "token" key readable
+// by root only, and TLS flags come with their files. It returns whether
+// peers are on.
+func checkPeers(t *testing.T, r *rendered, spec corev1.PodSpec, c corev1.Container) bool {
+	t.Helper()
+	listen := argValue(c.Args, "--peer-listen")
+	if listen == "" {
+		for _, s := range r.services {
+			t.Errorf("Service %s rendered without peers", s.Name)
+		}
+		return false
+	}
+	_, port, _ := strings.Cut(listen, ":")
+	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.Name == "peer" && strconv.Itoa(int(p.ContainerPort)) == port }) {
+		t.Errorf("--peer-listen=%s but no container port named peer on %s", listen, port)
+	}
+	peers := argValue(c.Args, "--peers")
+	var svc *corev1.Service
+	for _, s := range r.services {
+		if labelsMatch(s.Spec.Selector, r.daemonSets[0].Spec.Template.Labels) {
+			svc = s
+		}
+	}
+	switch {
+	case svc == nil:
+		t.Fatal("peers without a Service selecting the pullers")
+	case svc.Spec.ClusterIP != corev1.ClusterIPNone:
+		t.Errorf("peer Service %s is not headless: its name would resolve to one virtual IP, not to every puller", svc.Name)
+	case peers != fmt.Sprintf("dns:%s.%s.svc:%s", svc.Name, "cryo", port):
+		t.Errorf("--peers=%s does not name the peer Service %s on port %s", peers, svc.Name, port)
+	case len(svc.Spec.Ports) != 1 || strconv.Itoa(int(svc.Spec.Ports[0].Port)) != port || svc.Spec.Ports[0].TargetPort.StrVal != "peer":
+		t.Errorf("peer Service ports %+v, want %s targeting the peer port", svc.Spec.Ports, port)
+	}
+	mountOf := func(file string) *corev1.Volume {
+		for _, m := range c.VolumeMounts {
+			if strings.HasPrefix(file, m.MountPath+"/") {
+				for i, v := range spec.Volumes {
+					if v.Name == m.Name {
+						return &spec.Volumes[i]
+					}
+				}
+			}
+		}
+		return nil
+	}
+	token := argValue(c.Args, "--peer-token-file")
+	v := mountOf(token)
+	if v == nil || v.Secret == nil {
+		t.Fatalf("--peer-token-file=%s is not in a Secret volume", token)
+	}
+	if v.Secret.DefaultMode == nil || *v.Secret.DefaultMode&0o077 != 0 {
+		t.Errorf("the pool token's volume is readable by other users than root: mode %v", v.Secret.DefaultMode)
+	}
+	if !slices.ContainsFunc(v.Secret.Items, func(k corev1.KeyToPath) bool { return k.Key == "token" && strings.HasSuffix(token, "/"+k.Path) }) {
+		t.Errorf("--peer-token-file=%s is not the Secret's token key: %+v", token, v.Secret.Items)
+	}
+	tlsFlags := 0
+	for _, f := range []string{"--peer-tls-cert", "--peer-tls-key", "--peer-ca"} {
+		if file := argValue(c.Args, f); file != "" {
+			tlsFlags++
+			if v := mountOf(file); v == nil || v.Secret == nil {
+				t.Errorf("%s=%s is not in a Secret volume", f, file)
+			}
+		}
+	}
+	if tlsFlags != 0 && tlsFlags != 3 {
+		t.Errorf("%d of the 3 peer TLS flags set: peers could not reach each other", tlsFlags)
+	}
+	return true
 }
 
 func argValue(args []string, flag string) string {
