@@ -52,7 +52,9 @@ type PoolOptions struct {
 	// UrgentWait and BackgroundWait bound how long a peer may go without
 	// sending a byte while a sandbox is blocked on a chunk (default 2 s)
 	// or not (default 30 s), before the chunk is fetched upstream.
-	// A whole request is bounded by 5 times as much.
+	// A whole request is bounded by 5 times as much. A peer that stalls
+	// is avoided, unless it answered an urgent request and only the chunk
+	// was late (it may be fetching it upstream for everyone).
 	UrgentWait, BackgroundWait time.Duration
 	// Logger receives failures. Default: slog.Default().
 	Logger *slog.Logger
@@ -381,6 +383,7 @@ func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, urgent bool
 // Errors of a peer request, as counted.
 var (
 	errStalled = errors.New("peer sent nothing for too long")
+	errSlow    = errors.New("peer answered but had not the chunk in time")
 	errShort   = errors.New("peer ended its answer early (it could not get the chunk)")
 )
 
@@ -412,9 +415,11 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, ur
 	}
 	kind := errorKind(err)
 	p.opts.Metrics.failed(kind)
-	switch kind {
-	case "busy", "short":
-		// Alive, but without the chunk now: upstream, no avoidance.
+	switch {
+	case kind == "busy" || kind == "short" || errors.Is(err, errSlow):
+		// Alive, but without the chunk now (it is busy, lacks it, or is
+		// still fetching it for a page fault that cannot wait longer):
+		// upstream, no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
 	default:
 		p.avoid(owner.addr, err)
@@ -430,7 +435,7 @@ func errorKind(err error) string {
 	switch {
 	case errors.As(err, &ce):
 		return "corrupt"
-	case errors.Is(err, errStalled):
+	case errors.Is(err, errStalled), errors.Is(err, errSlow):
 		return "timeout"
 	case errors.Is(err, errShort):
 		return "short"
@@ -464,14 +469,18 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*wait)
 	defer cancel()
-	var stalled atomic.Bool
+	var stalled, answered atomic.Bool
 	timer := time.AfterFunc(wait, func() { stalled.Store(true); cancel() })
 	defer timer.Stop()
 	stallErr := func(err error) error {
-		if stalled.Load() {
-			return fmt.Errorf("%w (%s): %v", errStalled, wait, err)
+		switch {
+		case !stalled.Load():
+			return err
+		case answered.Load() && urgent:
+			// It answered: alive, but the chunk is not there yet.
+			return fmt.Errorf("%w (%s): %v", errSlow, wait, err)
 		}
-		return err
+		return fmt.Errorf("%w (%s): %v", errStalled, wait, err)
 	}
 	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+addr+ChunksPath, bytes.NewReader(body))
 	if err != nil {
@@ -484,6 +493,7 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 		return 0, stallErr(err)
 	}
 	defer resp.Body.Close()
+	answered.Store(true)
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		return 0, statusError{resp.StatusCode, strings.TrimSpace(string(msg))}

@@ -236,3 +236,32 @@ func TestTLSAndShortAnswers(t *testing.T) {
 		t.Fatal("took a chunk from a peer whose certificate it cannot check")
 	}
 }
+
+// TestSlowOwnerKeptForFaults: a peer that answers a page fault's request
+// but is late with the chunk (fetching it upstream for everyone) costs
+// the fault the wait, but stays in the pool.
+func TestSlowOwnerKeptForFaults(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release)
+	reg := prometheus.NewRegistry()
+	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
+	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, func(int, []byte) error { return nil }); n != 0 {
+		t.Fatalf("took %d chunks", n)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != 1 {
+		t.Fatalf("timeouts counted: %v, want 1", got)
+	}
+	if live, _ := p.Members(); len(live) != 1 {
+		t.Fatal("a live owner late with one chunk was avoided")
+	}
+}

@@ -113,9 +113,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("request over %d bytes", MaxRequestBytes), http.StatusRequestEntityTooLarge)
 		return
 	}
-	dec := json.NewDecoder(strings.NewReader(string(body)))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil {
+	// Unknown members are ignored: newer members of a pool may send more.
+	if err := json.Unmarshal(body, &req); err != nil {
 		http.Error(w, "request: "+err.Error(), http.StatusBadRequest)
 		return
 	}
