@@ -38,6 +38,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -72,6 +73,7 @@ type config struct {
 	chart      string
 	modes      []string
 	timeout    time.Duration
+	keep       bool
 }
 
 // The runs of each fleet.
@@ -91,6 +93,7 @@ func main() {
 	flag.DurationVar(&cfg.faultEvery, "fault-every", 100*time.Millisecond, "how often each node reads 4 KiB at a random place of pages.img while it loads")
 	flag.StringVar(&cfg.chart, "chart", "", "write a PNG chart of the load times here")
 	flag.DurationVar(&cfg.timeout, "timeout", 20*time.Minute, "bound of each run")
+	flag.BoolVar(&cfg.keep, "keep", false, "keep the work dir (the pullers' logs; not their caches)")
 	flag.Parse()
 	for _, f := range strings.Split(*fleets, ",") {
 		a, b, ok := strings.Cut(strings.TrimSpace(f), "x")
@@ -134,6 +137,10 @@ type result struct {
 	ready     []float64 // seconds, per node
 	faults    []float64 // milliseconds
 	fromPeers float64
+	// cpu is the CPU time the pullers used, busy that time over the
+	// run's wall time on every core of the machine.
+	cpu  time.Duration
+	busy float64
 }
 
 func runAll(cfg config) error {
@@ -157,7 +164,11 @@ func runAll(cfg config) error {
 	if err != nil {
 		return err
 	}
-	defer os.RemoveAll(work)
+	if cfg.keep {
+		fmt.Fprintln(os.Stderr, "fleetbench: work dir", work)
+	} else {
+		defer os.RemoveAll(work)
+	}
 	maxN := 1
 	for _, f := range cfg.fleets {
 		maxN = max(maxN, f.n)
@@ -203,7 +214,7 @@ func runAll(cfg config) error {
 				n = 1
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), cfg.timeout)
-			r, err := runFleet(ctx, cfg, nw, filepath.Join(work, "run"), token, ref, n, f.size, mode == modePeers)
+			r, err := runFleet(ctx, cfg, nw, filepath.Join(work, fmt.Sprintf("run-%d-%s", fi, strings.ReplaceAll(mode, " ", ""))), token, ref, n, f.size, mode == modePeers)
 			cancel()
 			if err != nil {
 				return fmt.Errorf("%s, %s: %w", f, mode, err)
@@ -378,7 +389,16 @@ func startDaemons(cfg config, nw *network, dir, token string, n int, peers bool)
 func runFleet(ctx context.Context, cfg config, nw *network, dir, token, ref string, n int, size int64, peers bool) (result, error) {
 	var r result
 	os.RemoveAll(dir)
-	defer os.RemoveAll(dir)
+	defer func() {
+		// The caches go; with -keep, the logs stay.
+		if !cfg.keep {
+			os.RemoveAll(dir)
+			return
+		}
+		for i := range n {
+			os.RemoveAll(filepath.Join(dir, fmt.Sprintf("n%d", i), "cache"))
+		}
+	}()
 	ds, err := startDaemons(cfg, nw, dir, token, n, peers)
 	defer func() {
 		for _, d := range ds {
@@ -439,9 +459,12 @@ func runFleet(ctx context.Context, cfg config, nw *network, dir, token, ref stri
 		return r, err
 	}
 	r.egress = sent1 - sent0
+	wall := time.Since(start)
 	for _, d := range ds {
 		r.fromPeers += scrape(d, "cryo_puller_peer_received_bytes_total")
+		r.cpu += cpuTime(d.proc.cmd.Process.Pid)
 	}
+	r.busy = r.cpu.Seconds() / (wall.Seconds() * float64(runtime.NumCPU()))
 	return r, nil
 }
 
@@ -477,6 +500,22 @@ func randomReads(path string, size int64, every time.Duration, stop <-chan struc
 	return out
 }
 
+// cpuTime is the user and system CPU time process pid used so far.
+func cpuTime(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The fields after the command name, which is in parentheses.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	utime, _ := strconv.ParseInt(f[11], 10, 64)
+	stime, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
+}
+
 // scrape sums metric name in the daemon's /metrics.
 func scrape(d *daemon, name string) float64 {
 	resp, err := d.client.Get("http://puller/metrics")
@@ -499,11 +538,11 @@ func scrape(d *daemon, name string) float64 {
 
 func report(cfg config, rs []result) {
 	fmt.Printf("\nRegistry link: tbf %s on its egress; snapshots: synthetic, half zero pages, format %s; one FUSE mount per node through its daemon, cold node caches.\n\n", cfg.rate, cfg.format)
-	fmt.Println("| fleet | run | registry egress | x stored | every node loaded (s) | loaded p50 (s) | ready max (s) | 4 KiB random reads: n, p50 / p99 (ms) | from peers |")
-	fmt.Println("|---|---|--:|--:|--:|--:|--:|--:|--:|")
+	fmt.Println("| fleet | run | registry egress | x stored | every node loaded (s) | loaded p50 (s) | ready max (s) | 4 KiB random reads: n, p50 / p99 (ms) | from peers | pullers' CPU (s), machine busy |")
+	fmt.Println("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|")
 	for _, r := range rs {
-		fmt.Printf("| %s | %s | %s | %.2f | %.1f | %.1f | %.2f | %d, %.1f / %.1f | %s |\n", r.fleet, r.mode, mib(r.egress), float64(r.egress)/float64(r.stored),
-			r.allLoaded.Seconds(), benchutil.Median(r.loaded), maxOf(r.ready), len(r.faults), benchutil.Percentile(r.faults, 0.5), benchutil.Percentile(r.faults, 0.99), mib(int64(r.fromPeers)))
+		fmt.Printf("| %s | %s | %s | %.2f | %.1f | %.1f | %.2f | %d, %.1f / %.1f | %s | %.0f, %.0f%% |\n", r.fleet, r.mode, mib(r.egress), float64(r.egress)/float64(r.stored),
+			r.allLoaded.Seconds(), benchutil.Median(r.loaded), maxOf(r.ready), len(r.faults), benchutil.Percentile(r.faults, 0.5), benchutil.Percentile(r.faults, 0.99), mib(int64(r.fromPeers)), r.cpu.Seconds(), 100*r.busy)
 	}
 	fmt.Println()
 	byFleet := map[fleet]map[string]result{}

@@ -33,10 +33,10 @@ func nodeIP(i int) string { return fmt.Sprintf("10.77.%d.%d", 1+i/250, 1+i%250) 
 func (n *network) ns(name string) string { return n.prefix + name }
 
 // registryNS and nodeNS name the namespaces.
-func (n *network) registryNS() string { return n.ns("reg") }
+func (n *network) registryNS() string  { return n.ns("reg") }
 func (n *network) nodeNS(i int) string { return n.ns(fmt.Sprintf("n%d", i)) }
 
-// ip runs the ip or tc command with args.
+// run runs a command (ip, tc) and returns its output in the error.
 func run(name string, args ...string) error {
 	out, err := exec.Command(name, args...).CombinedOutput()
 	if err != nil {

@@ -53,8 +53,9 @@ type PoolOptions struct {
 	// sending a byte while a sandbox is blocked on a chunk (default 2 s)
 	// or not (default 30 s), before the chunk is fetched upstream.
 	// A whole request is bounded by 5 times as much. A peer that stalls
-	// is avoided, unless it answered an urgent request and only the chunk
-	// was late (it may be fetching it upstream for everyone).
+	// 3 times in a row is avoided, unless it answered an urgent request
+	// and only the chunk was late (it may be fetching it upstream for
+	// everyone).
 	UrgentWait, BackgroundWait time.Duration
 	// Logger receives failures. Default: slog.Default().
 	Logger *slog.Logger
@@ -92,7 +93,16 @@ type member struct {
 type avoidance struct {
 	until    time.Time
 	failures int
+	// timeouts counts the timeouts in a row since its last success or
+	// avoidance: a peer is avoided at the timeoutsToAvoid-th.
+	timeouts int
 }
+
+// timeoutsToAvoid is how many timeouts in a row make a peer avoided: on a
+// busy node a connection or an answer may be late once without the peer
+// being gone, and avoiding it moves its units (their fetches upstream) to
+// other peers.
+const timeoutsToAvoid = 3
 
 // NewPool resolves the peers once and returns the pool; dns: members are
 // resolved again every Refresh until Close. A peer list that names no one
@@ -134,9 +144,10 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 	}
 	p := &Pool{opts: opts, scheme: "http", avoided: map[string]avoidance{}, stop: make(chan struct{})}
 	tr := &http.Transport{
-		DialContext:         (&net.Dialer{Timeout: opts.UrgentWait, KeepAlive: 30 * time.Second}).DialContext,
+		// Requests bound their own waits (ask), connecting included.
+		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second}).DialContext,
 		TLSClientConfig:     opts.TLS,
-		TLSHandshakeTimeout: opts.UrgentWait,
+		TLSHandshakeTimeout: opts.BackgroundWait,
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 	}
@@ -343,6 +354,27 @@ func score(addr string, u digest.Digest) uint64 {
 	return binary.BigEndian.Uint64(h.Sum(nil))
 }
 
+// succeeded clears peer addr's timeouts in a row.
+func (p *Pool) succeeded(addr string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if a, ok := p.avoided[addr]; ok && a.timeouts > 0 {
+		a.timeouts = 0
+		p.avoided[addr] = a
+	}
+}
+
+// timedOut counts a timeout of peer addr and reports whether it is the
+// timeoutsToAvoid-th in a row: then the peer is to be avoided.
+func (p *Pool) timedOut(addr string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	a := p.avoided[addr]
+	a.timeouts++
+	p.avoided[addr] = a
+	return a.timeouts >= timeoutsToAvoid
+}
+
 // avoid leaves peer addr out for a while after a failure: AvoidFor,
 // doubled for each failure in a row after it was let back in, up to 8
 // times. Failures of requests that were in flight when it was first
@@ -359,6 +391,7 @@ func (p *Pool) avoid(addr string, err error) {
 		a.failures = 0 // it had recovered
 	}
 	a.failures = min(a.failures+1, 4)
+	a.timeouts = 0
 	d := p.opts.AvoidFor << (a.failures - 1)
 	a.until = now.Add(d)
 	p.avoided[addr] = a
@@ -410,7 +443,11 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, ur
 		return 0
 	}
 	n, err := p.ask(ctx, owner.addr, repo, chunks, urgent, got)
-	if err == nil || ctx.Err() != nil {
+	if err == nil {
+		p.succeeded(owner.addr)
+		return n
+	}
+	if ctx.Err() != nil {
 		return n
 	}
 	kind := errorKind(err)
@@ -421,6 +458,8 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, ur
 		// still fetching it for a page fault that cannot wait longer):
 		// upstream, no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
+	case kind == "timeout" && !p.timedOut(owner.addr):
+		p.opts.Logger.Debug("peer timed out", "peer", owner.addr, "blob", chunks[0].Blob, "err", err)
 	default:
 		p.avoid(owner.addr, err)
 	}

@@ -152,8 +152,8 @@ func TestRequestChecks(t *testing.T) {
 }
 
 // TestStalledPeerGivesUp: a peer that accepts a request and sends nothing
-// costs the wait, counted as a timeout; the chunk is not taken from it
-// and it is avoided.
+// costs the wait, counted as a timeout; the chunk is not taken from it,
+// and at the third timeout in a row it is avoided.
 func TestStalledPeerGivesUp(t *testing.T) {
 	release := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -168,18 +168,21 @@ func TestStalledPeerGivesUp(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
-	n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, func(int, []byte) error {
-		t.Error("a chunk was taken from a peer that sent none")
-		return nil
-	})
-	if n != 0 {
-		t.Fatalf("took %d chunks", n)
-	}
-	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != 1 {
-		t.Fatalf("timeouts counted: %v, want 1", got)
-	}
-	if live, _ := p.Members(); len(live) != 0 {
-		t.Fatalf("the stalled peer is still live: %v", live)
+	for i := 1; i <= timeoutsToAvoid; i++ {
+		n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, func(int, []byte) error {
+			t.Error("a chunk was taken from a peer that sent none")
+			return nil
+		})
+		if n != 0 {
+			t.Fatalf("took %d chunks", n)
+		}
+		if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != float64(i) {
+			t.Fatalf("timeouts counted: %v, want %d", got, i)
+		}
+		live, _ := p.Members()
+		if avoided := len(live) == 0; avoided != (i == timeoutsToAvoid) {
+			t.Fatalf("after %d timeouts in a row, avoided %v", i, avoided)
+		}
 	}
 }
 
