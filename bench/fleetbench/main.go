@@ -369,6 +369,10 @@ func startDaemons(cfg config, nw *network, dir, token string, n int, peers bool)
 		}
 		sock := filepath.Join(nd, "puller.sock")
 		args := []string{cfg.cryo, "puller", "serve", "--plain-http", "--socket", sock, "--cache", filepath.Join(nd, "cache"), "--mounts", filepath.Join(nd, "mnt"), "--profile", "none"}
+		if i == 1 && os.Getenv("CRYO_FLEET_CPUPROFILE") != "" {
+			// One puller's CPU profile, to see where a fleet's time goes.
+			args = append(args, "--cpuprofile", os.Getenv("CRYO_FLEET_CPUPROFILE"))
+		}
 		if peers {
 			args = append(args, "--peer-listen", nodeIP(i)+":7070", "--peers", strings.Join(list, ","), "--peer-token-file", token)
 		}
