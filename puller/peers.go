@@ -21,16 +21,31 @@ type servedRepo struct {
 }
 
 // servedIdle is how long a repository's scheduler for peers is kept
-// without requests.
-const servedIdle = 5 * time.Minute
+// without requests; maxServed bounds the repositories served at once
+// (each scheduler has its workers and write buffer); servedDeadline
+// bounds how long a chunk for peers is retried upstream (the asking peer
+// goes upstream itself long before).
+const (
+	servedIdle     = 5 * time.Minute
+	maxServed      = 64
+	servedDeadline = 2 * time.Minute
+)
+
+// ErrTooManyRepositories refuses a peer's request for one more
+// repository than the node serves at once.
+var ErrTooManyRepositories = errors.New("serving peers the chunks of too many repositories at once")
 
 // ServeChunks gets chunks, frames of one blob of repository, for a peer
 // (peer.Chunks): each from the node cache, or by joining the node's fetch
 // of it in flight (same chunk stored the same way), or fetched from
 // Options.PeerUpstream's endpoints once however many peers ask, verified
-// before it is stored or passed to emit, in order. urgent fetches them at
-// fetch.Fault priority, else at fetch.Read. It stops at the first chunk
-// it cannot get or when emit fails.
+// before it is stored or passed to emit, in order. urgent fetches the
+// first at fetch.Fault priority (a sandbox waits on it), the rest at
+// fetch.Read. It does not wait on this node's own asking of a peer (see
+// fetch.Options.ServesPeers), so two nodes that disagree on who owns a
+// chunk do not wait on each other. It stops at the first chunk it cannot
+// get or when emit fails; more than maxServed repositories at once are
+// refused (ErrTooManyRepositories).
 func (p *Puller) ServeChunks(ctx context.Context, repository string, chunks []format.Chunk, urgent bool, emit func(data []byte) error) error {
 	if p.opts.PeerUpstream == nil {
 		return p.serveHeld(chunks, emit)
@@ -40,13 +55,21 @@ func (p *Puller) ServeChunks(ctx context.Context, repository string, chunks []fo
 		return err
 	}
 	defer release()
-	prio := fetch.Read
-	if urgent {
-		prio = fetch.Fault
-	}
-	s.Want(chunks, prio)
-	for _, c := range chunks {
-		data, err := s.Get(ctx, c, nil, prio)
+	// Every chunk queued at once (one range request for a run of
+	// frames), the first at fetch.Fault if a sandbox waits on it.
+	s.Want(chunks, fetch.Read)
+	var buf []byte
+	for i, c := range chunks {
+		prio := fetch.Read
+		if urgent && i == 0 {
+			prio = fetch.Fault
+		}
+		if cap(buf) < int(c.Size) {
+			buf = make([]byte, 0, c.Size)
+		}
+		// From the node cache the bytes are in buf, else they are the
+		// fetch's own: either way emit is done with them before the next.
+		data, err := s.Get(ctx, c, buf[:0], prio)
 		if err != nil {
 			return err
 		}
@@ -98,8 +121,15 @@ func (p *Puller) servedScheduler(ctx context.Context, repository string) (*fetch
 				delete(p.served, name)
 			}
 		}
+		if len(p.served) >= maxServed {
+			return nil, nil, ErrTooManyRepositories
+		}
 		o := p.opts
-		r = &servedRepo{sched: fetch.New(eps, p.cache, p.codec, fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, InFlight: &p.fetching})}
+		deadline := servedDeadline
+		if o.Deadline > 0 {
+			deadline = min(o.Deadline, deadline)
+		}
+		r = &servedRepo{sched: fetch.New(eps, p.cache, p.codec, fetch.Options{Workers: o.Workers, Deadline: deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, InFlight: &p.fetching, ServesPeers: true})}
 		p.served[repository] = r
 	}
 	r.active++

@@ -35,7 +35,7 @@ func (n *node) kill() { n.srv.Close() }
 // startPool starts n pullers, each serving its peers on its own loopback
 // port and knowing all of them. wrap, if set, wraps a node's chunks as
 // its server serves them (a lying peer).
-func startPool(t *testing.T, n int, wrap func(i int, c peer.Chunks) peer.Chunks) []*node {
+func startPool(t *testing.T, n int, wrap func(i int, c peer.Chunks) peer.Chunks, others ...string) []*node {
 	t.Helper()
 	lns := make([]net.Listener, n)
 	addrs := make([]string, n)
@@ -46,6 +46,7 @@ func startPool(t *testing.T, n int, wrap func(i int, c peer.Chunks) peer.Chunks)
 		}
 		lns[i], addrs[i] = ln, ln.Addr().String()
 	}
+	addrs = append(addrs, others...)
 	nodes := make([]*node, n)
 	for i := range n {
 		reg := prometheus.NewRegistry()
@@ -62,7 +63,7 @@ func startPool(t *testing.T, n int, wrap func(i int, c peer.Chunks) peer.Chunks)
 		if wrap != nil {
 			chunks = wrap(i, p)
 		}
-		h, err := peer.NewServer(chunks, peer.ServerOptions{Token: testToken, Metrics: m})
+		h, err := peer.NewServer(chunks, peer.ServerOptions{Token: testToken, Metrics: m, NodeID: pool.ID()})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -136,7 +137,9 @@ func TestPoolFetchesEachChunkOnce(t *testing.T) {
 			if v == "v1" {
 				src, s = push(t, r, "app", synth.HalfZero, 24<<20, 3)
 			} else {
-				src, s = pushV2(t, r, "app", synth.HalfZero, 24<<20, 3)
+				// Compressible: a pack's frames decode to more than one
+				// peer request may ask for.
+				src, s = pushV2(t, r, "app", synth.Text, 24<<20, 3)
 			}
 			s.Repository = r.host + "/app"
 			stored := storedBytes(t, s)
@@ -154,6 +157,11 @@ func TestPoolFetchesEachChunkOnce(t *testing.T) {
 			}
 			if fromPeers == 0 {
 				t.Fatal("no bytes went between peers")
+			}
+			for _, n := range nodes {
+				if e := metric(t, n.reg, "cryo_puller_peer_errors_total"); e != 0 {
+					t.Errorf("node %s: %v peer errors among live, honest peers", n.addr, e)
+				}
 			}
 		})
 	}
@@ -193,6 +201,42 @@ func TestPoolPeerKilledMidLoad(t *testing.T) {
 	}
 	if errs == 0 {
 		t.Fatal("no peer errors counted: the dead peer was never asked, the test proves nothing")
+	}
+}
+
+// TestPoolBlackholePeer lists, among 3 pullers, a peer that accepts
+// connections and never answers: the 3 load the snapshot whole, each byte
+// right, the black hole costing a bounded wait before it is avoided.
+func TestPoolBlackholePeer(t *testing.T) {
+	r := startReg(t)
+	src, s := push(t, r, "app", synth.Random, 16<<20, 7)
+	s.Repository = r.host + "/app"
+	hole, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hole.Close()
+	go func() {
+		for {
+			c, err := hole.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close() // held open, never read or answered
+		}
+	}()
+	nodes := startPool(t, 3, nil, hole.Addr().String())
+	loadAll(t, nodes, s, src)
+	for _, n := range nodes {
+		if got := metric(t, n.reg, "cryo_puller_peer_errors_total", "kind", "timeout"); got == 0 {
+			t.Errorf("node %s counted no timeout of the black hole", n.addr)
+		}
+		live, _ := n.pool.Members()
+		for _, a := range live {
+			if a == hole.Addr().String() {
+				t.Errorf("node %s still uses the black hole", n.addr)
+			}
+		}
 	}
 }
 

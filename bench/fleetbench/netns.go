@@ -1,12 +1,21 @@
 package main
 
 import (
+	"bufio"
+	"context"
+	"encoding/json"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"regexp"
 	"strconv"
+	"runtime"
 	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // network is the benchmark's own network: a switch namespace holding a
@@ -94,7 +103,50 @@ func newNetwork(prefix string, nodes int, rate string) (_ *network, err error) {
 			return nil, err
 		}
 	}
+	if err := n.staticNeighbours(); err != nil {
+		return nil, err
+	}
 	return n, nil
+}
+
+// staticNeighbours gives every namespace a permanent neighbour entry for
+// every other: the kernel's neighbour table is shared by all namespaces
+// (gc_thresh3, 1024 entries by default), and 33 namespaces that each
+// resolve 32 others overflow it, which drops connection attempts for
+// seconds ("neighbor table overflow!"). Permanent entries do not count.
+func (n *network) staticNeighbours() error {
+	type host struct{ ns, ip, mac string }
+	hosts := []host{{ns: n.registryNS(), ip: registryIP}}
+	for i := range n.nodes {
+		hosts = append(hosts, host{ns: n.nodeNS(i), ip: nodeIP(i)})
+	}
+	for i := range hosts {
+		out, err := exec.Command("ip", "-n", hosts[i].ns, "-j", "link", "show", "eth0").Output()
+		if err != nil {
+			return fmt.Errorf("ip -n %s link show eth0: %w", hosts[i].ns, err)
+		}
+		var links []struct {
+			Address string `json:"address"`
+		}
+		if err := json.Unmarshal(out, &links); err != nil || len(links) != 1 {
+			return fmt.Errorf("ip -n %s link show eth0: %q: %v", hosts[i].ns, out, err)
+		}
+		hosts[i].mac = links[0].Address
+	}
+	for _, h := range hosts {
+		var batch strings.Builder
+		for _, o := range hosts {
+			if o.ns != h.ns {
+				fmt.Fprintf(&batch, "neigh replace %s lladdr %s dev eth0 nud permanent\n", o.ip, o.mac)
+			}
+		}
+		cmd := exec.Command("ip", "-n", h.ns, "-batch", "-")
+		cmd.Stdin = strings.NewReader(batch.String())
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("ip -n %s -batch (neighbours): %v: %s", h.ns, err, out)
+		}
+	}
+	return nil
 }
 
 func (n *network) add(ns string) error {
@@ -126,6 +178,68 @@ func removeStale(prefix string) {
 			run("ip", "netns", "del", f[0])
 		}
 	}
+}
+
+// dialIn connects to addr from inside namespace ns: the socket belongs to
+// the namespace it was made in, so it is made on a thread moved there and
+// back (which is locked to this goroutine meanwhile).
+func dialIn(ns, addr string) (net.Conn, error) {
+	type result struct {
+		c   net.Conn
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		self, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			ch <- result{nil, err}
+			return
+		}
+		defer self.Close()
+		target, err := os.Open("/run/netns/" + ns)
+		if err != nil {
+			ch <- result{nil, err}
+			return
+		}
+		defer target.Close()
+		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+			ch <- result{nil, fmt.Errorf("setns %s: %w", ns, err)}
+			return
+		}
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); err != nil {
+			// The thread stays in the other namespace: let it die
+			// with this goroutine rather than serve others.
+			runtime.Goexit()
+		}
+		ch <- result{c, err}
+	}()
+	r := <-ch
+	return r.c, r.err
+}
+
+// registryBlobBytes reads the blob bytes the registry has served so far
+// from its metrics (cryo_registry_response_bytes_total{kind="blob"}).
+func (n *network) registryBlobBytes() (int64, error) {
+	client := &http.Client{Transport: &http.Transport{DialContext: func(context.Context, string, string) (net.Conn, error) {
+		return dialIn(n.registryNS(), registryIP+":5001")
+	}}, Timeout: 10 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err := client.Get("http://" + registryIP + ":5001/metrics")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), `cryo_registry_response_bytes_total{kind="blob"} `); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			return int64(f), err
+		}
+	}
+	return 0, sc.Err()
 }
 
 var sentRE = regexp.MustCompile(`Sent (\d+) bytes`)

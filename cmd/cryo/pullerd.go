@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
+	"golang.org/x/net/netutil"
 )
 
 func newPullerCmd() *cobra.Command {
@@ -189,7 +190,11 @@ Logs are structured (JSON) on stderr.`,
 				go func() { errc <- msrv.Serve(mln) }()
 			}
 			if peerListen != "" {
-				psrv, err := servePeers(p, peerListen, peerCert, peerKey, pf.peer, log, pm, errc)
+				nodeID := ""
+				if pool != nil {
+					nodeID = pool.ID()
+				}
+				psrv, err := servePeers(p, peerListen, peerCert, peerKey, nodeID, pf.peer, log, pm, errc)
 				if err != nil {
 					return err
 				}
@@ -227,14 +232,18 @@ Logs are structured (JSON) on stderr.`,
 	return cmd
 }
 
+// maxPeerConns bounds the connections of the peer server: a pool of 256
+// nodes with 16 connections each to this one.
+const maxPeerConns = 4096
+
 // servePeers serves p's chunks to its pool on addr (TLS if cert is set)
 // until the returned server is closed; a serving error goes to errc.
-func servePeers(p *puller.Puller, addr, cert, key string, pf peerFlags, log *slog.Logger, m *peer.Metrics, errc chan<- error) (*http.Server, error) {
+func servePeers(p *puller.Puller, addr, cert, key, nodeID string, pf peerFlags, log *slog.Logger, m *peer.Metrics, errc chan<- error) (*http.Server, error) {
 	token, err := pf.token()
 	if err != nil {
 		return nil, err
 	}
-	h, err := peer.NewServer(p, peer.ServerOptions{Token: token, Logger: log, Metrics: m})
+	h, err := peer.NewServer(p, peer.ServerOptions{Token: token, Logger: log, Metrics: m, NodeID: nodeID})
 	if err != nil {
 		return nil, err
 	}
@@ -245,7 +254,10 @@ func servePeers(p *puller.Puller, addr, cert, key string, pf peerFlags, log *slo
 	if err != nil {
 		return nil, fmt.Errorf("--peer-listen: %w", err)
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	// Connections are bounded in number and in idle time: a caller
+	// without the token cannot hold them open.
+	ln = netutil.LimitListener(ln, maxPeerConns)
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, IdleTimeout: 2 * time.Minute, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
 	if cert != "" {
 		pair, err := tls.LoadX509KeyPair(cert, key)
 		if err != nil {

@@ -85,6 +85,12 @@ type Options struct {
 	// lies costs a bounded wait, and the chunk is fetched from the
 	// endpoints.
 	Peers Peers
+	// ServesPeers marks the scheduler of the chunks a node serves its
+	// peers (puller.ServeChunks): it does not follow another mount's fetch
+	// of a chunk while that fetch waits on a peer (which may be waiting on
+	// this very node, if two nodes disagree on who owns it), but fetches
+	// the chunk from its own endpoints.
+	ServesPeers bool
 }
 
 // Peers are the other node pullers a chunk may be taken from before the
@@ -97,10 +103,24 @@ type Peers interface {
 	// arrives. got verifies them and returns an error if they are wrong:
 	// Fetch then stops, and avoids that peer for a while. Fetch returns
 	// how many chunks, from the first, got took; 0 if the node owns the
-	// unit itself, or no peer is live, or the owner failed. urgent says
-	// a sandbox is blocked on the first chunk: the wait for a peer is
-	// shorter.
-	Fetch(ctx context.Context, chunks []format.Chunk, urgent bool, got func(i int, data []byte) error) int
+	// unit itself, or no peer is live, or the owner failed. urgent is
+	// closed once a read waits on the chunks (it may be from the start):
+	// from then on the wait for the peer is the short one.
+	Fetch(ctx context.Context, chunks []format.Chunk, urgent <-chan struct{}, got func(i int, data []byte) error) int
+}
+
+// urgency is closed when a read waits on chunks being asked of a peer.
+type urgency struct {
+	once sync.Once
+	c    chan struct{}
+}
+
+func newUrgency() *urgency { return &urgency{c: make(chan struct{})} }
+
+func (u *urgency) set() {
+	if u != nil {
+		u.once.Do(func() { close(u.c) })
+	}
 }
 
 // Priority orders fetches.
@@ -211,6 +231,13 @@ type call struct {
 	single bool
 	// demand: a read (Get) waits for the call, not only prefetches.
 	demand bool
+	// flight is the call's node-wide fetch, which this scheduler leads
+	// (single calls), or following, the one of another mount it follows;
+	// peerWait is set while the call is being asked of a peer: a read
+	// that comes to wait on the call (or on the fetch it follows) makes
+	// that wait urgent.
+	flight, following *flight
+	peerWait          *urgency
 	// done is closed when the call is over (finished set): the chunk is
 	// in the node cache, flushed, or err says why not.
 	done     chan struct{}
@@ -447,6 +474,12 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
 		cl.demand = cl.demand || prio.isDemand()
+		if prio.isDemand() {
+			cl.peerWait.set()
+			if cl.following != nil {
+				cl.following.peerWait().set()
+			}
+		}
 		if s.ahead(prio, cl.prio) && !cl.started {
 			// Promote a queued call; its entry in the lower queue is
 			// skipped when met.
@@ -662,7 +695,7 @@ func (s *Scheduler) run(cl *call) {
 				// Another mount took cl's chunk since: fetch the rest
 				// of the batch without it, then follow that fetch.
 				s.runBatch(batch, flights)
-				s.follow(cl, f)
+				s.followOrFetch(cl, f)
 				return
 			}
 		}
@@ -676,9 +709,12 @@ func (s *Scheduler) run(cl *call) {
 	k := keyOf(cl.chunk)
 	f, lead := s.opts.InFlight.join(k)
 	if !lead {
-		s.follow(cl, f)
+		s.followOrFetch(cl, f)
 		return
 	}
+	s.mu.Lock()
+	cl.flight = f
+	s.mu.Unlock()
 	// The node-wide fetch lasts until the chunk is in the cache, so that
 	// no mount fetches it again meanwhile; this worker goes on as soon as
 	// the write is queued.
@@ -686,6 +722,17 @@ func (s *Scheduler) run(cl *call) {
 		finish(data, err)
 		s.opts.InFlight.end(k, f, data, err)
 	})
+}
+
+// followOrFetch follows another mount's fetch f of cl's chunk, unless
+// this scheduler serves peers and f is waiting on a peer: then it fetches
+// the chunk itself, outside the node-wide set (Options.ServesPeers).
+func (s *Scheduler) followOrFetch(cl *call, f *flight) {
+	if s.opts.ServesPeers && f.viaPeer.Load() {
+		s.fetchAndStore(cl, nil, func(data []byte, err error) { s.finish(cl, data, err) })
+		return
+	}
+	s.follow(cl, f)
 }
 
 // follow makes call cl follow another mount's fetch f of its chunk: cl's
@@ -698,6 +745,12 @@ func (s *Scheduler) run(cl *call) {
 // mount's endpoints.
 func (s *Scheduler) follow(cl *call, f *flight) {
 	finish := func(data []byte, err error) { s.finish(cl, data, err) }
+	s.mu.Lock()
+	cl.following = f
+	if cl.demand {
+		f.peerWait().set()
+	}
+	s.mu.Unlock()
 	select {
 	case <-f.verified:
 	case <-s.ctx.Done():
@@ -766,7 +819,7 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		return
 	}
 	// Peers first (Options.Peers), then the endpoints for the rest.
-	done := s.fromPeers(todo, func(i int, data []byte) {
+	done := s.fromPeers(todo, tflights, func(i int, data []byte) {
 		s.publish(todo[i], data)
 		if f := tflights[i]; f != nil {
 			f.verify(data)
@@ -791,20 +844,47 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 
 // fromPeers asks the peers (Options.Peers) for the chunks of calls,
 // frames of one blob in ascending order, and verifies each they serve;
-// took gets each verified chunk's index and bytes, in order. It returns
-// how many chunks, from the first, it got: 0 without peers.
-func (s *Scheduler) fromPeers(calls []*call, took func(i int, data []byte)) int {
+// took gets each verified chunk's index and bytes, in order. flights are
+// the calls' node-wide fetches (nil entries without): while the peers
+// are asked, they say so (flight.viaPeer), and a read that comes to wait
+// on any of the calls, or on a fetch following one, makes the wait for
+// the peer the short one. It returns how many chunks, from the first, it
+// got: 0 without peers.
+func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int, data []byte)) int {
 	if s.opts.Peers == nil || len(calls) == 0 {
 		return 0
 	}
 	chunks := make([]format.Chunk, len(calls))
+	u := newUrgency()
+	s.mu.Lock()
 	for i, cl := range calls {
 		chunks[i] = cl.chunk
+		cl.peerWait = u
+		if cl.demand {
+			u.set()
+		}
 	}
-	s.mu.Lock()
-	urgent := calls[0].prio == Fault
 	s.mu.Unlock()
-	return s.opts.Peers.Fetch(s.ctx, chunks, urgent, func(i int, data []byte) error {
+	for _, f := range flights {
+		if f != nil {
+			f.viaPeer.Store(true)
+			f.urgent.Store(u)
+		}
+	}
+	defer func() {
+		for _, f := range flights {
+			if f != nil {
+				f.viaPeer.Store(false)
+				f.urgent.Store(nil)
+			}
+		}
+		s.mu.Lock()
+		for _, cl := range calls {
+			cl.peerWait = nil
+		}
+		s.mu.Unlock()
+	}()
+	return s.opts.Peers.Fetch(s.ctx, chunks, u.c, func(i int, data []byte) error {
 		c := chunks[i]
 		if err := s.codec.Verify(c, data); err != nil {
 			s.opts.Metrics.verifyFailed(peerEndpoint)
@@ -929,7 +1009,10 @@ func (s *Scheduler) fetchAndStore(cl *call, verified func([]byte), done func(dat
 		return
 	}
 	var data []byte
-	if s.fromPeers([]*call{cl}, func(_ int, d []byte) { data = d }) == 0 {
+	s.mu.Lock()
+	f := cl.flight
+	s.mu.Unlock()
+	if s.fromPeers([]*call{cl}, []*flight{f}, func(_ int, d []byte) { data = d }) == 0 {
 		var err error
 		if data, err = s.fetch(c); err != nil {
 			done(nil, err)

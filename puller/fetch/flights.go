@@ -1,6 +1,9 @@
 package fetch
 
-import "sync"
+import (
+	"sync"
+	"sync/atomic"
+)
 
 // Flights is the set of chunk fetches in flight on a node, shared by the
 // schedulers of every mount there (Options.InFlight): a chunk that two
@@ -27,6 +30,20 @@ type flight struct {
 	// cache (err nil), or err says why not.
 	done chan struct{}
 	err  error
+	// viaPeer is set while the leader asks a peer for the chunk (which
+	// may in turn be waiting on this node); urgent is that request's
+	// urgency, which a follower that a read waits on sets.
+	viaPeer atomic.Bool
+	urgent  atomic.Pointer[urgency]
+}
+
+// peerWait returns the urgency of the peer request the flight's leader
+// is waiting on, nil if none.
+func (f *flight) peerWait() *urgency {
+	if f == nil {
+		return nil
+	}
+	return f.urgent.Load()
 }
 
 // join returns the flight of key k and whether the caller leads it: then

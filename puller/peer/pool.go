@@ -3,9 +3,11 @@ package peer
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,6 +15,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"slices"
 	"strings"
 	"sync"
@@ -51,12 +54,15 @@ type PoolOptions struct {
 	AvoidFor time.Duration
 	// UrgentWait and BackgroundWait bound how long a peer may go without
 	// sending a byte while a sandbox is blocked on a chunk (default 2 s)
-	// or not (default 30 s), before the chunk is fetched upstream.
+	// or not (default 30 s), before the chunk is fetched upstream;
+	// AnswerWait bounds how long a peer may take to connect and answer
+	// (the header, which a server sends at once) a request no read waits
+	// on (default 10 s; UrgentWait for the others).
 	// A whole request is bounded by 5 times as much. A peer that stalls
 	// 3 times in a row is avoided, unless it answered an urgent request
 	// and only the chunk was late (it may be fetching it upstream for
 	// everyone).
-	UrgentWait, BackgroundWait time.Duration
+	UrgentWait, BackgroundWait, AnswerWait time.Duration
 	// Logger receives failures. Default: slog.Default().
 	Logger *slog.Logger
 	// Metrics, if set, counts peer traffic and errors.
@@ -73,9 +79,16 @@ type Pool struct {
 	client *http.Client
 	scheme string
 
+	// id names this pool's node in its requests (NodeHeader), so that a
+	// node that asks itself under an address it did not know for its own
+	// is told so (StatusSelf).
+	id string
+
 	mu      sync.Mutex
 	members []member
 	avoided map[string]avoidance
+	// selves are members found to be this node (StatusSelf).
+	selves map[string]bool
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -94,8 +107,10 @@ type avoidance struct {
 	until    time.Time
 	failures int
 	// timeouts counts the timeouts in a row since its last success or
-	// avoidance: a peer is avoided at the timeoutsToAvoid-th.
-	timeouts int
+	// avoidance: a peer is avoided at the timeoutsToAvoid-th; slow counts
+	// the answers late only with the chunk, avoided at the
+	// slowToAvoid-th.
+	timeouts, slow int
 }
 
 // timeoutsToAvoid is how many timeouts in a row make a peer avoided: on a
@@ -103,6 +118,12 @@ type avoidance struct {
 // being gone, and avoiding it moves its units (their fetches upstream) to
 // other peers.
 const timeoutsToAvoid = 3
+
+// slowToAvoid is how many urgent answers in a row late only with the
+// chunk make a peer avoided: the owner fetches upstream for the whole
+// pool and may be late on a busy link, but one that is always late (its
+// upstream is broken) costs every fault it owns the wait.
+const slowToAvoid = 8
 
 // NewPool resolves the peers once and returns the pool; dns: members are
 // resolved again every Refresh until Close. A peer list that names no one
@@ -136,13 +157,20 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 	if opts.BackgroundWait <= 0 {
 		opts.BackgroundWait = 30 * time.Second
 	}
+	if opts.AnswerWait <= 0 {
+		opts.AnswerWait = min(10*time.Second, opts.BackgroundWait)
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
 	if opts.Resolver == nil {
 		opts.Resolver = net.DefaultResolver
 	}
-	p := &Pool{opts: opts, scheme: "http", avoided: map[string]avoidance{}, stop: make(chan struct{})}
+	id := make([]byte, 16)
+	if _, err := rand.Read(id); err != nil {
+		return nil, err
+	}
+	p := &Pool{opts: opts, scheme: "http", id: hex.EncodeToString(id), avoided: map[string]avoidance{}, selves: map[string]bool{}, stop: make(chan struct{})}
 	tr := &http.Transport{
 		// Requests bound their own waits (ask), connecting included.
 		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second}).DialContext,
@@ -154,7 +182,9 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 	if opts.TLS != nil {
 		p.scheme = "https"
 	}
-	p.client = &http.Client{Transport: tr}
+	// A peer is asked for chunks, not told where to get them: no
+	// redirects.
+	p.client = &http.Client{Transport: tr, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	p.resolve(rctx)
 	cancel()
@@ -252,6 +282,9 @@ func (p *Pool) resolve(ctx context.Context) {
 	}
 	slices.SortFunc(ms, func(a, b member) int { return strings.Compare(a.addr, b.addr) })
 	p.mu.Lock()
+	for i := range ms {
+		ms[i].self = ms[i].self || p.selves[ms[i].addr]
+	}
 	p.members = ms
 	p.setLive()
 	p.mu.Unlock()
@@ -333,15 +366,17 @@ func (p *Pool) owner(u digest.Digest) (member, bool) {
 	now := time.Now()
 	var best member
 	var bestScore uint64
-	found := false
+	found, live := false, 0
 	for _, m := range p.members {
 		if !m.self && now.Before(p.avoided[m.addr].until) {
 			continue
 		}
+		live++
 		if s := score(m.addr, u); !found || s > bestScore {
 			best, bestScore, found = m, s, true
 		}
 	}
+	p.opts.Metrics.setLive(live)
 	return best, found
 }
 
@@ -354,25 +389,48 @@ func score(addr string, u digest.Digest) uint64 {
 	return binary.BigEndian.Uint64(h.Sum(nil))
 }
 
+// ID is the pool's node id, which its requests carry (NodeHeader): give
+// it to this node's Server (ServerOptions.NodeID).
+func (p *Pool) ID() string { return p.id }
+
+// markSelf records that member addr is this node.
+func (p *Pool) markSelf(addr string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.selves[addr] = true
+	for i := range p.members {
+		if p.members[i].addr == addr {
+			p.members[i].self = true
+		}
+	}
+	p.opts.Logger.Info("peer is this node", "peer", addr)
+}
+
 // succeeded clears peer addr's timeouts in a row.
 func (p *Pool) succeeded(addr string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if a, ok := p.avoided[addr]; ok && a.timeouts > 0 {
-		a.timeouts = 0
+	if a, ok := p.avoided[addr]; ok && (a.timeouts > 0 || a.slow > 0) {
+		a.timeouts, a.slow = 0, 0
 		p.avoided[addr] = a
 	}
 }
 
-// timedOut counts a timeout of peer addr and reports whether it is the
-// timeoutsToAvoid-th in a row: then the peer is to be avoided.
-func (p *Pool) timedOut(addr string) bool {
+// timedOut counts a timeout of peer addr (slow: an urgent answer late
+// only with the chunk) and reports whether the peer is now to be
+// avoided: at the timeoutsToAvoid-th timeout in a row, or the
+// slowToAvoid-th slow answer.
+func (p *Pool) timedOut(addr string, slow bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	a := p.avoided[addr]
-	a.timeouts++
+	if slow {
+		a.slow++
+	} else {
+		a.timeouts++
+	}
 	p.avoided[addr] = a
-	return a.timeouts >= timeoutsToAvoid
+	return a.timeouts >= timeoutsToAvoid || a.slow >= slowToAvoid
 }
 
 // avoid leaves peer addr out for a while after a failure: AvoidFor,
@@ -391,7 +449,7 @@ func (p *Pool) avoid(addr string, err error) {
 		a.failures = 0 // it had recovered
 	}
 	a.failures = min(a.failures+1, 4)
-	a.timeouts = 0
+	a.timeouts, a.slow = 0, 0
 	d := p.opts.AvoidFor << (a.failures - 1)
 	a.until = now.Add(d)
 	p.avoided[addr] = a
@@ -409,7 +467,7 @@ type repoPeers struct {
 }
 
 // Fetch implements fetch.Peers.
-func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, urgent bool, got func(int, []byte) error) int {
+func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, urgent <-chan struct{}, got func(int, []byte) error) int {
 	return r.p.fetch(ctx, r.repo, chunks, urgent, got)
 }
 
@@ -434,7 +492,8 @@ type statusError struct {
 
 func (e statusError) Error() string { return fmt.Sprintf("peer answered %d: %s", e.code, e.msg) }
 
-func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, urgent bool, got func(int, []byte) error) int {
+func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, urgent <-chan struct{}, got func(int, []byte) error) int {
+	chunks = withinLimits(chunks)
 	if len(chunks) == 0 {
 		return 0
 	}
@@ -452,18 +511,33 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, ur
 	}
 	kind := errorKind(err)
 	p.opts.Metrics.failed(kind)
+	var se statusError
 	switch {
-	case kind == "busy" || kind == "short" || errors.Is(err, errSlow):
-		// Alive, but without the chunk now (it is busy, lacks it, or is
-		// still fetching it for a page fault that cannot wait longer):
-		// upstream, no avoidance.
+	case errors.As(err, &se) && se.code == StatusSelf:
+		// The member is this very node, under an address it did not
+		// know for its own: it owns what that member owns.
+		p.markSelf(owner.addr)
+	case kind == "busy" || kind == "short":
+		// Alive, but without the chunk now: upstream, no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
-	case kind == "timeout" && !p.timedOut(owner.addr):
+	case kind == "timeout" && !p.timedOut(owner.addr, errors.Is(err, errSlow)):
 		p.opts.Logger.Debug("peer timed out", "peer", owner.addr, "blob", chunks[0].Blob, "err", err)
 	default:
 		p.avoid(owner.addr, err)
 	}
 	return n
+}
+
+// withinLimits returns the longest prefix of chunks one request may ask
+// for (MaxChunks, MaxBytes); the rest are fetched upstream.
+func withinLimits(chunks []format.Chunk) []format.Chunk {
+	var total int64
+	for i, c := range chunks {
+		if total += c.Size; i == MaxChunks || total > MaxBytes {
+			return chunks[:i]
+		}
+	}
+	return chunks
 }
 
 // errorKind names err's kind for the metrics.
@@ -491,14 +565,21 @@ func errorKind(err error) string {
 }
 
 // ask requests chunks of peer addr and hands each to got as it arrives.
-// The request is canceled when the peer sends nothing for the wait, or
-// takes 5 times as long in all.
-func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk, urgent bool, got func(int, []byte) error) (int, error) {
-	wait := p.opts.BackgroundWait
-	if urgent {
-		wait = p.opts.UrgentWait
+// The peer must connect and answer (the header, which a server sends at
+// once) within AnswerWait, then send each byte within BackgroundWait;
+// from when urgent is closed, UrgentWait for both. The whole answer must
+// come within 5 times that, not counting the time got takes (the local
+// disk's back-pressure is not the peer's).
+func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
+	isUrgent := func() bool {
+		select {
+		case <-urgent:
+			return true
+		default:
+			return false
+		}
 	}
-	req := request{Repository: repo, Urgent: urgent, Chunks: make([]wireChunk, len(chunks))}
+	req := request{Repository: repo, Urgent: isUrgent(), Chunks: make([]wireChunk, len(chunks))}
 	for i, c := range chunks {
 		req.Chunks[i] = toWire(c)
 	}
@@ -506,20 +587,50 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	if err != nil {
 		return 0, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, 5*wait)
+	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var stalled, answered atomic.Bool
-	timer := time.AfterFunc(wait, func() { stalled.Store(true); cancel() })
+	var stalled, answered, connected, wrote atomic.Bool
+	wait := func() time.Duration {
+		switch {
+		case isUrgent():
+			return p.opts.UrgentWait
+		case !answered.Load():
+			return p.opts.AnswerWait
+		}
+		return p.opts.BackgroundWait
+	}
+	timer := time.AfterFunc(wait(), func() { stalled.Store(true); cancel() })
 	defer timer.Stop()
+	if !isUrgent() {
+		// A read that comes to wait on these chunks shortens the wait.
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			select {
+			case <-urgent:
+				timer.Reset(p.opts.UrgentWait)
+			case <-done:
+			}
+		}()
+	}
 	stallErr := func(err error) error {
 		switch {
 		case !stalled.Load():
 			return err
-		case answered.Load() && urgent:
+		case answered.Load() && isUrgent():
 			// It answered: alive, but the chunk is not there yet.
-			return fmt.Errorf("%w (%s): %v", errSlow, wait, err)
+			return fmt.Errorf("%w (%s): %v", errSlow, p.opts.UrgentWait, err)
 		}
-		return fmt.Errorf("%w (%s): %v", errStalled, wait, err)
+		phase := "connecting"
+		switch {
+		case answered.Load():
+			phase = "reading the answer"
+		case wrote.Load():
+			phase = "waiting for the answer"
+		case connected.Load():
+			phase = "sending the request"
+		}
+		return fmt.Errorf("%w (%s, %s): %v", errStalled, wait(), phase, err)
 	}
 	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+addr+ChunksPath, bytes.NewReader(body))
 	if err != nil {
@@ -527,46 +638,71 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	}
 	hr.Header.Set("Authorization", "Bearer "+p.opts.Token)
 	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set(NodeHeader, p.id)
+	hr = hr.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		GotConn:      func(httptrace.GotConnInfo) { connected.Store(true) },
+		WroteRequest: func(httptrace.WroteRequestInfo) { wrote.Store(true) },
+	}))
 	resp, err := p.client.Do(hr)
 	if err != nil {
 		return 0, stallErr(err)
 	}
 	defer resp.Body.Close()
 	answered.Store(true)
+	timer.Reset(wait())
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		return 0, statusError{resp.StatusCode, strings.TrimSpace(string(msg))}
 	}
-	r := &progressReader{r: resp.Body, progress: func() { timer.Reset(wait) }}
+	start := time.Now()
+	var inGot time.Duration
+	r := &progressReader{r: resp.Body, progress: func() error {
+		w := wait()
+		if time.Since(start)-inGot > 5*w {
+			return fmt.Errorf("%w: the answer took over %s", errStalled, 5*w)
+		}
+		timer.Reset(w)
+		return nil
+	}}
 	for i, c := range chunks {
 		buf := make([]byte, c.Size)
 		if _, err := io.ReadFull(r, buf); err != nil {
-			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-				if stalled.Load() {
-					return i, stallErr(err)
-				}
+			if !stalled.Load() && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)) {
 				return i, errShort
 			}
 			return i, stallErr(err)
 		}
-		if err := got(i, buf); err != nil {
+		timer.Stop()
+		t := time.Now()
+		err := got(i, buf)
+		inGot += time.Since(t)
+		if err != nil {
 			return i, corruptError{err}
 		}
+		timer.Reset(wait())
 		p.opts.Metrics.receivedBytes(c.Size)
+	}
+	// The end of the body, so that the connection is used again; bytes
+	// beyond what was asked are the peer's error, but what verified stands.
+	if n, _ := io.Copy(io.Discard, io.LimitReader(r, 1)); n > 0 {
+		return len(chunks), fmt.Errorf("peer sent more than the %d chunks asked for", len(chunks))
 	}
 	return len(chunks), nil
 }
 
-// progressReader calls progress after every read that returned bytes.
+// progressReader calls progress after every read that returned bytes,
+// and fails with its error.
 type progressReader struct {
 	r        io.Reader
-	progress func()
+	progress func() error
 }
 
 func (r *progressReader) Read(b []byte) (int, error) {
 	n, err := r.r.Read(b)
 	if n > 0 {
-		r.progress()
+		if perr := r.progress(); perr != nil {
+			return n, perr
+		}
 	}
 	return n, err
 }

@@ -4,11 +4,14 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,6 +22,9 @@ import (
 )
 
 const token = "pool-token-0123456789abcdef"
+
+// now is an urgency that holds from the start: a read waits.
+var now = func() <-chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 func newPool(t *testing.T, opts PoolOptions) *Pool {
 	t.Helper()
@@ -169,7 +175,7 @@ func TestStalledPeerGivesUp(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
 	for i := 1; i <= timeoutsToAvoid; i++ {
-		n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, func(int, []byte) error {
+		n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, now, func(int, []byte) error {
 			t.Error("a chunk was taken from a peer that sent none")
 			return nil
 		})
@@ -222,12 +228,12 @@ func TestTLSAndShortAnswers(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{RootCAs: roots}})
 	var got [][]byte
 	take := func(i int, data []byte) error { got = append(got, data); return nil }
-	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, take); n != 1 || string(got[0]) != string(a) {
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, nil, take); n != 1 || string(got[0]) != string(a) {
 		t.Fatalf("took %d chunks: %q", n, got)
 	}
 	// c2 is not held: the answer stops after c1, and c2 goes upstream.
 	got = nil
-	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, false, take); n != 1 {
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, nil, take); n != 1 {
 		t.Fatalf("took %d chunks, want 1 (the peer lacks the second)", n)
 	}
 	if live, _ := p.Members(); len(live) != 1 {
@@ -235,14 +241,15 @@ func TestTLSAndShortAnswers(t *testing.T) {
 	}
 	// Without the CA, the peer's certificate is refused.
 	q := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{}})
-	if n := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, take); n != 0 {
+	if n := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, nil, take); n != 0 {
 		t.Fatal("took a chunk from a peer whose certificate it cannot check")
 	}
 }
 
 // TestSlowOwnerKeptForFaults: a peer that answers a page fault's request
 // but is late with the chunk (fetching it upstream for everyone) costs
-// the fault the wait, but stays in the pool.
+// the fault the wait, but stays in the pool longer than one that does not
+// answer: until slowToAvoid late answers in a row.
 func TestSlowOwnerKeptForFaults(t *testing.T) {
 	release := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -258,13 +265,113 @@ func TestSlowOwnerKeptForFaults(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
-	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, func(int, []byte) error { return nil }); n != 0 {
+	for i := 1; i <= slowToAvoid; i++ {
+		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, now, func(int, []byte) error { return nil }); n != 0 {
+			t.Fatalf("took %d chunks", n)
+		}
+		if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != float64(i) {
+			t.Fatalf("timeouts counted: %v, want %d", got, i)
+		}
+		live, _ := p.Members()
+		if avoided := len(live) == 0; avoided != (i == slowToAvoid) {
+			t.Fatalf("after %d late answers in a row (timeouts avoid at %d), avoided %v", i, timeoutsToAvoid, avoided)
+		}
+	}
+}
+
+// TestReadMakesWaitShort: a background request waits long for a slow
+// chunk, until a read comes to wait on it: then the wait is the short one.
+func TestReadMakesWaitShort(t *testing.T) {
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	defer close(release)
+	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 50 * time.Millisecond, BackgroundWait: time.Hour})
+	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	urgent := make(chan struct{})
+	done := make(chan int)
+	go func() { done <- p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, urgent, func(int, []byte) error { return nil }) }()
+	select {
+	case <-done:
+		t.Fatal("a background request gave up on a live peer before an hour")
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(urgent)
+	// Without the short wait this would wait an hour: the test's own
+	// timeout fails it.
+	if n := <-done; n != 0 {
 		t.Fatalf("took %d chunks", n)
 	}
-	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != 1 {
-		t.Fatalf("timeouts counted: %v, want 1", got)
+}
+
+// TestServerRefusals: the server answers a request it will not serve
+// with the status that says why, and a node asking itself with
+// StatusSelf, which makes the pool treat that member as itself.
+func TestServerRefusals(t *testing.T) {
+	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	hold, entered := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	blocking := chunksFunc(func() {
+		once.Do(func() { close(entered) })
+		<-hold
+	})
+	h, err := NewServer(blocking, ServerOptions{Token: token, MaxRequests: 1})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if live, _ := p.Members(); len(live) != 1 {
-		t.Fatal("a live owner late with one chunk was avoided")
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	post := func(body string) int {
+		req, _ := http.NewRequest(http.MethodPost, srv.URL+ChunksPath, strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+token)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return -1
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode
 	}
+	good, _ := json.Marshal(request{Repository: "r/x", Chunks: []wireChunk{toWire(c)}})
+	if code := post(strings.Repeat(" ", MaxRequestBytes+1)); code != http.StatusRequestEntityTooLarge {
+		t.Errorf("an oversized request got %d", code)
+	}
+	if code := post(`{"repository":"r/x","chunks":[{"digest":"nope"}]}`); code != http.StatusBadRequest {
+		t.Errorf("a bad chunk got %d", code)
+	}
+	// One request holds the only slot; the next is busy.
+	go post(string(good))
+	<-entered
+	if code := post(string(good)); code != http.StatusServiceUnavailable {
+		t.Errorf("a request over MaxRequests got %d", code)
+	}
+	close(hold)
+
+	// A node listed under an address it does not know for its own.
+	var own http.Handler
+	srv2 := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { own.ServeHTTP(w, r) }))
+	defer srv2.Close()
+	self := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv2.URL, "http://")}})
+	own, _ = NewServer(held{}, ServerOptions{Token: token, NodeID: self.ID()})
+	if n := self.For("r/x").Fetch(context.Background(), []format.Chunk{c}, nil, func(int, []byte) error { return nil }); n != 0 {
+		t.Fatal("took a chunk from itself")
+	}
+	if _, me := self.Members(); me != strings.TrimPrefix(srv2.URL, "http://") {
+		t.Fatalf("the member that is this node is not known as self: %q", me)
+	}
+}
+
+// chunksFunc serves nothing: it calls f, then fails.
+type chunksFunc func()
+
+func (f chunksFunc) ServeChunks(context.Context, string, []format.Chunk, bool, func([]byte) error) error {
+	f()
+	return fmt.Errorf("nothing here")
 }

@@ -28,6 +28,13 @@ import (
 // ChunksPath is the path of the one request a peer serves.
 const ChunksPath = "/cryo/peer/v1/chunks"
 
+// NodeHeader carries the asking node's id (Pool.ID); a server that finds
+// its own node's id there answers StatusSelf: the node asked itself.
+const NodeHeader = "Cryo-Peer-Node"
+
+// StatusSelf is the answer to a node asking itself (508 Loop Detected).
+const StatusSelf = 508
+
 // Limits of one request.
 const (
 	// MaxRequestBytes bounds a request's JSON body.

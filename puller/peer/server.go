@@ -10,7 +10,9 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/cryo-oci/cryo/format"
 )
@@ -38,6 +40,12 @@ type ServerOptions struct {
 	Logger *slog.Logger
 	// Metrics, if set, counts what is served.
 	Metrics *Metrics
+	// NodeID is this node's Pool.ID, if it has a pool: a request carrying
+	// it (NodeHeader) is the node asking itself, answered StatusSelf.
+	NodeID string
+	// WriteTimeout bounds each chunk's write to the asking peer (default
+	// 60 s): a peer that stops reading frees its request.
+	WriteTimeout time.Duration
 }
 
 // Server serves a node's chunks to the other pullers of its pool
@@ -61,6 +69,9 @@ func NewServer(chunks Chunks, opts ServerOptions) (*Server, error) {
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
+	}
+	if opts.WriteTimeout <= 0 {
+		opts.WriteTimeout = 60 * time.Second
 	}
 	return &Server{chunks: chunks, opts: opts, token: sha256.Sum256([]byte(opts.Token)), slots: make(chan struct{}, opts.MaxRequests)}, nil
 }
@@ -91,24 +102,25 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "pool token required", http.StatusUnauthorized)
 		return
 	}
+	if s.opts.NodeID != "" && r.Header.Get(NodeHeader) == s.opts.NodeID {
+		http.Error(w, "this is the asking node", StatusSelf)
+		return
+	}
 	if r.Method != http.MethodPost {
 		w.Header().Set("Allow", http.MethodPost)
 		http.Error(w, "POST only", http.StatusMethodNotAllowed)
 		return
 	}
-	select {
-	case s.slots <- struct{}{}:
-		defer func() { <-s.slots }()
-	default:
-		http.Error(w, "busy", http.StatusServiceUnavailable)
-		return
-	}
+	// The body, bounded in size and time, before a slot is taken.
+	rc := http.NewResponseController(w)
+	rc.SetReadDeadline(time.Now().Add(10 * time.Second))
 	var req request
 	body, err := io.ReadAll(io.LimitReader(r.Body, MaxRequestBytes+1))
 	if err != nil {
 		http.Error(w, "read request: "+err.Error(), http.StatusBadRequest)
 		return
 	}
+	rc.SetReadDeadline(time.Time{})
 	if len(body) > MaxRequestBytes {
 		http.Error(w, fmt.Sprintf("request over %d bytes", MaxRequestBytes), http.StatusRequestEntityTooLarge)
 		return
@@ -118,26 +130,38 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "request: "+err.Error(), http.StatusBadRequest)
 		return
 	}
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	default:
+		http.Error(w, "busy", http.StatusServiceUnavailable)
+		return
+	}
 	chunks, err := req.check()
 	if err != nil {
 		http.Error(w, "request: "+err.Error(), http.StatusBadRequest)
 		return
 	}
-	w.Header().Set("Content-Type", "application/octet-stream")
-	w.WriteHeader(http.StatusOK)
-	flusher, _ := w.(http.Flusher)
-	if flusher != nil {
-		// The header tells the asking peer this one is alive before the
-		// first chunk is ready: a slow chunk is then told from a dead peer.
-		flusher.Flush()
+	var total int64
+	for _, c := range chunks {
+		total += c.Size
 	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	// The length, so that the connection is used again after a whole
+	// answer; an answer cut short closes it.
+	w.Header().Set("Content-Length", strconv.FormatInt(total, 10))
+	w.WriteHeader(http.StatusOK)
+	// The header tells the asking peer this one is alive before the
+	// first chunk is ready: a slow chunk is then told from a dead peer.
+	rc.Flush()
 	served := 0
 	err = s.chunks.ServeChunks(r.Context(), req.Repository, chunks, req.Urgent, func(data []byte) error {
+		rc.SetWriteDeadline(time.Now().Add(s.opts.WriteTimeout))
 		if _, err := w.Write(data); err != nil {
 			return err
 		}
-		if flusher != nil {
-			flusher.Flush()
+		if err := rc.Flush(); err != nil {
+			return err
 		}
 		s.opts.Metrics.servedBytes(int64(len(data)))
 		served++
