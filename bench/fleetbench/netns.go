@@ -10,8 +10,8 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
-	"strconv"
 	"runtime"
+	"strconv"
 	"strings"
 	"time"
 

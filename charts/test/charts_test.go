@@ -540,7 +540,9 @@ func checkPeers(t *testing.T, r *rendered, spec corev1.PodSpec, c corev1.Contain
 		return false
 	}
 	_, port, _ := strings.Cut(listen, ":")
-	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.Name == "peer" && strconv.Itoa(int(p.ContainerPort)) == port }) {
+	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool {
+		return p.Name == "peer" && strconv.Itoa(int(p.ContainerPort)) == port
+	}) {
 		t.Errorf("--peer-listen=%s but no container port named peer on %s", listen, port)
 	}
 	peers := argValue(c.Args, "--peers")

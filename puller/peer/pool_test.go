@@ -297,7 +297,9 @@ func TestReadMakesWaitShort(t *testing.T) {
 	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
 	urgent := make(chan struct{})
 	done := make(chan int)
-	go func() { done <- p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, urgent, func(int, []byte) error { return nil }) }()
+	go func() {
+		done <- p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, urgent, func(int, []byte) error { return nil })
+	}()
 	select {
 	case <-done:
 		t.Fatal("a background request gave up on a live peer before an hour")
