@@ -83,9 +83,10 @@ hashing, which this node asks first; the owner serves it from its cache,
 joins its own fetch in flight, or fetches it upstream once for everyone.
 --peer-listen serves this node's share. Peers are asked before mirrors and
 the registry; what they serve is verified like a registry's answer, and a
-dead, slow or lying peer costs a bounded wait (2s when a sandbox waits, 30s
-in the background), is avoided for 30s or more, and the chunk is fetched
-upstream. Every request carries the pool token (--peer-token-file): a pool
+dead, slow or lying peer costs a bounded wait (an answer within 2s and a
+byte every 2s when a read waits; 10s and 30s in the background), is
+avoided for 30s or more (at once if it refuses connections or lies, at the
+third timeout in a row), and the chunk is fetched upstream. Every request carries the pool token (--peer-token-file): a pool
 is one trust domain, whose members may read, through the owner's
 credentials, what any member may.
 

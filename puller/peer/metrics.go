@@ -3,8 +3,9 @@ package peer
 import "github.com/prometheus/client_golang/prometheus"
 
 // Metrics are a pool's and a server's Prometheus metrics. Bytes fetched
-// upstream are the fetch scheduler's (cryo_puller_fetched_bytes_total).
-// A nil *Metrics records nothing.
+// upstream are the fetch scheduler's cryo_puller_fetched_bytes_total, by
+// endpoint (which counts what peers served too, as stored bytes, under
+// endpoint="peers"). A nil *Metrics records nothing.
 type Metrics struct {
 	received prometheus.Counter
 	served   prometheus.Counter
