@@ -160,6 +160,7 @@ gofer for that command only (never install it as runsc's own).`,
 			if err != nil {
 				return err
 			}
+			defer pf.peer.close()
 			src, err := pf.source(ctx, args[0])
 			if err != nil {
 				return err
@@ -295,6 +296,7 @@ to the snapshot in its repository (the node needs push access).`,
 			if err != nil {
 				return err
 			}
+			defer pf.peer.close()
 			src, err := pf.source(ctx, ref)
 			if err != nil {
 				return err

@@ -20,6 +20,16 @@ type peerFlags struct {
 	tokenFile  string
 	ca         string
 	serverName string
+	// opened is the pool pool made, closed by close.
+	opened *peer.Pool
+}
+
+// close closes the pool pool made, if any.
+func (f *peerFlags) close() {
+	if f.opened != nil {
+		f.opened.Close()
+		f.opened = nil
+	}
 }
 
 func (f *peerFlags) register(cmd *cobra.Command) {
@@ -77,5 +87,6 @@ func (f *peerFlags) pool(ctx context.Context, self string, log *slog.Logger, m *
 	if err != nil {
 		return nil, fmt.Errorf("--peers: %w", err)
 	}
+	f.opened = pool
 	return pool, nil
 }

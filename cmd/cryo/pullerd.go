@@ -125,7 +125,7 @@ Logs are structured (JSON) on stderr.`,
 				return err
 			}
 			if pool != nil {
-				defer pool.Close()
+				defer pf.peer.close()
 				opts.Peers = pool
 			}
 			// What this node serves its peers and lacks, it fetches from
