@@ -157,23 +157,36 @@ func TestRequestChecks(t *testing.T) {
 	}
 }
 
-// TestStalledPeerGivesUp: a peer that accepts a request and sends nothing
-// costs the wait, counted as a timeout; the chunk is not taken from it,
-// and at the third timeout in a row it is avoided.
-func TestStalledPeerGivesUp(t *testing.T) {
+// stallingPeer starts a peer that never sends a chunk: it answers (200)
+// first if answer is set, and holds every request until the test ends.
+// It returns the peer's address.
+func stallingPeer(t *testing.T, answer bool) string {
 	release := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if answer {
+			w.WriteHeader(http.StatusOK)
+			w.(http.Flusher).Flush()
+		}
 		select {
 		case <-release:
 		case <-r.Context().Done():
 		}
 	}))
-	defer srv.Close()
-	defer close(release)
-	addr := strings.TrimPrefix(srv.URL, "http://")
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(release) })
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+// oneByte is a chunk to ask peers for.
+var oneByte = format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+
+// TestStalledPeerGivesUp: a peer that accepts a request and sends nothing
+// costs the wait, counted as a timeout; the chunk is not taken from it,
+// and at the third timeout in a row it is avoided.
+func TestStalledPeerGivesUp(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
-	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, false)}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
+	c := oneByte
 	for i := 1; i <= timeoutsToAvoid; i++ {
 		n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, now, func(int, []byte) error {
 			t.Error("a chunk was taken from a peer that sent none")
@@ -251,20 +264,9 @@ func TestTLSAndShortAnswers(t *testing.T) {
 // the fault the wait, but stays in the pool longer than one that does not
 // answer: until slowToAvoid late answers in a row.
 func TestSlowOwnerKeptForFaults(t *testing.T) {
-	release := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.WriteHeader(http.StatusOK)
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-	}))
-	defer srv.Close()
-	defer close(release)
 	reg := prometheus.NewRegistry()
-	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
-	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, true)}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
+	c := oneByte
 	for i := 1; i <= slowToAvoid; i++ {
 		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
@@ -282,19 +284,8 @@ func TestSlowOwnerKeptForFaults(t *testing.T) {
 // TestReadMakesWaitShort: a background request waits long for a slow
 // chunk, until a read comes to wait on it: then the wait is the short one.
 func TestReadMakesWaitShort(t *testing.T) {
-	release := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.WriteHeader(http.StatusOK)
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-	}))
-	defer srv.Close()
-	defer close(release)
-	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 50 * time.Millisecond, BackgroundWait: time.Hour})
-	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, true)}, UrgentWait: 50 * time.Millisecond, BackgroundWait: time.Hour})
+	c := oneByte
 	urgent := make(chan struct{})
 	done := make(chan int)
 	go func() {
@@ -317,7 +308,7 @@ func TestReadMakesWaitShort(t *testing.T) {
 // with the status that says why, and a node asking itself with
 // StatusSelf, which makes the pool treat that member as itself.
 func TestServerRefusals(t *testing.T) {
-	c := format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
+	c := oneByte
 	hold, entered := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	blocking := chunksFunc(func() {
