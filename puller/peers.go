@@ -46,8 +46,9 @@ var ErrTooManyRepositories = errors.New("serving peers the chunks of too many re
 // chunk do not wait on each other. It stops at the first chunk it cannot
 // get or when emit fails; more than maxServed repositories at once are
 // refused (ErrTooManyRepositories).
-func (p *Puller) ServeChunks(ctx context.Context, repository string, chunks []format.Chunk, urgent bool, emit func(data []byte) error) error {
+func (p *Puller) ServeChunks(ctx context.Context, repository string, chunks []format.Chunk, urgent bool, ready func(), emit func(data []byte) error) error {
 	if p.opts.PeerUpstream == nil {
+		ready()
 		return p.serveHeld(chunks, emit)
 	}
 	s, release, err := p.servedScheduler(ctx, repository)
@@ -55,6 +56,7 @@ func (p *Puller) ServeChunks(ctx context.Context, repository string, chunks []fo
 		return err
 	}
 	defer release()
+	ready()
 	// Every chunk queued at once (one range request for a run of
 	// frames), the first at fetch.Fault if a sandbox waits on it.
 	s.Want(chunks, fetch.Read)

@@ -243,8 +243,8 @@ func TestPoolBlackholePeer(t *testing.T) {
 // lying serves every chunk with one byte flipped.
 type lying struct{ peer.Chunks }
 
-func (l lying) ServeChunks(ctx context.Context, repo string, chunks []format.Chunk, urgent bool, emit func([]byte) error) error {
-	return l.Chunks.ServeChunks(ctx, repo, chunks, urgent, func(data []byte) error {
+func (l lying) ServeChunks(ctx context.Context, repo string, chunks []format.Chunk, urgent bool, ready func(), emit func([]byte) error) error {
+	return l.Chunks.ServeChunks(ctx, repo, chunks, urgent, ready, func(data []byte) error {
 		bad := append([]byte(nil), data...)
 		bad[len(bad)/2] ^= 0x40
 		return emit(bad)
@@ -318,7 +318,7 @@ func TestPoolWrongTokenRefused(t *testing.T) {
 // mustNotServe fails the test if a request reaches it.
 type mustNotServe struct{ t *testing.T }
 
-func (m mustNotServe) ServeChunks(context.Context, string, []format.Chunk, bool, func([]byte) error) error {
+func (m mustNotServe) ServeChunks(context.Context, string, []format.Chunk, bool, func(), func([]byte) error) error {
 	m.t.Error("a request without the pool token reached the chunks")
 	return errors.New("refused")
 }

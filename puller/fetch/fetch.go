@@ -103,10 +103,12 @@ type Peers interface {
 	// arrives. got verifies them and returns an error if they are wrong:
 	// Fetch then stops, and avoids that peer for a while. Fetch returns
 	// how many chunks, from the first, got took; 0 if the node owns the
-	// unit itself, or no peer is live, or the owner failed. urgent is
-	// closed once a read waits on the chunks (it may be from the start):
-	// from then on the wait for the peer is the short one.
-	Fetch(ctx context.Context, chunks []format.Chunk, urgent <-chan struct{}, got func(i int, data []byte) error) int
+	// unit itself, or no peer is live, or the owner failed. fault says a
+	// sandbox's page fault waits on the first chunk (the owner fetches it
+	// first); urgent is closed once any read waits on the chunks (it may
+	// be from the start): from then on the wait for the peer is the short
+	// one.
+	Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(i int, data []byte) error) int
 }
 
 // urgency is closed when a read waits on chunks being asked of a peer.
@@ -477,7 +479,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		if prio.isDemand() {
 			cl.peerWait.set()
 			if cl.following != nil {
-				cl.following.peerWait().set()
+				cl.following.demand()
 			}
 		}
 		if s.ahead(prio, cl.prio) && !cl.started {
@@ -613,7 +615,7 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 		var f *flight
 		if s.opts.InFlight != nil {
 			var lead bool
-			if f, lead = s.opts.InFlight.join(keyOf(c)); !lead {
+			if f, lead = s.opts.InFlight.join(keyOf(c), s.opts.Peers != nil); !lead {
 				break // another mount fetches it: its own worker follows that
 			}
 		}
@@ -691,7 +693,7 @@ func (s *Scheduler) run(cl *call) {
 		var f *flight
 		if s.opts.InFlight != nil {
 			var lead bool
-			if f, lead = s.opts.InFlight.join(keyOf(cl.chunk)); !lead {
+			if f, lead = s.opts.InFlight.join(keyOf(cl.chunk), s.opts.Peers != nil); !lead {
 				// Another mount took cl's chunk since: fetch the rest
 				// of the batch without it, then follow that fetch.
 				s.runBatch(batch, flights)
@@ -707,7 +709,7 @@ func (s *Scheduler) run(cl *call) {
 		return
 	}
 	k := keyOf(cl.chunk)
-	f, lead := s.opts.InFlight.join(k)
+	f, lead := s.opts.InFlight.join(k, s.opts.Peers != nil)
 	if !lead {
 		s.followOrFetch(cl, f)
 		return
@@ -748,7 +750,7 @@ func (s *Scheduler) follow(cl *call, f *flight) {
 	s.mu.Lock()
 	cl.following = f
 	if cl.demand {
-		f.peerWait().set()
+		f.demand()
 	}
 	s.mu.Unlock()
 	select {
@@ -857,6 +859,7 @@ func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int,
 	chunks := make([]format.Chunk, len(calls))
 	u := newUrgency()
 	s.mu.Lock()
+	fault := calls[0].prio == Fault
 	for i, cl := range calls {
 		chunks[i] = cl.chunk
 		cl.peerWait = u
@@ -867,15 +870,13 @@ func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int,
 	s.mu.Unlock()
 	for _, f := range flights {
 		if f != nil {
-			f.viaPeer.Store(true)
-			f.urgent.Store(u)
+			f.asking(u)
 		}
 	}
 	defer func() {
 		for _, f := range flights {
 			if f != nil {
-				f.viaPeer.Store(false)
-				f.urgent.Store(nil)
+				f.asking(nil)
 			}
 		}
 		s.mu.Lock()
@@ -884,7 +885,7 @@ func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int,
 		}
 		s.mu.Unlock()
 	}()
-	return s.opts.Peers.Fetch(s.ctx, chunks, u.c, func(i int, data []byte) error {
+	return s.opts.Peers.Fetch(s.ctx, chunks, fault, u.c, func(i int, data []byte) error {
 		c := chunks[i]
 		if err := s.codec.Verify(c, data); err != nil {
 			s.opts.Metrics.verifyFailed(peerEndpoint)

@@ -35,20 +35,37 @@ type flight struct {
 	// urgency, which a follower that a read waits on sets.
 	viaPeer atomic.Bool
 	urgent  atomic.Pointer[urgency]
+	// demanded is set once a read waits on the flight through a follower:
+	// a peer request the leader starts later is urgent from the start.
+	demanded atomic.Bool
 }
 
-// peerWait returns the urgency of the peer request the flight's leader
-// is waiting on, nil if none.
-func (f *flight) peerWait() *urgency {
+// demand tells the flight's leader that a read waits on it: the peer
+// request it is waiting on, if any, now or later, is urgent.
+func (f *flight) demand() {
 	if f == nil {
-		return nil
+		return
 	}
-	return f.urgent.Load()
+	f.demanded.Store(true)
+	f.urgent.Load().set()
+}
+
+// asking marks the flight as waiting on a peer request of urgency u (nil:
+// no longer); a read that waited on it before makes u urgent at once.
+func (f *flight) asking(u *urgency) {
+	f.viaPeer.Store(u != nil)
+	f.urgent.Store(u)
+	if u != nil && f.demanded.Load() {
+		u.set()
+	}
 }
 
 // join returns the flight of key k and whether the caller leads it: then
-// it fetches and stores the chunk and calls verify and end.
-func (fs *Flights) join(k key) (*flight, bool) {
+// it fetches and stores the chunk and calls verify and end. mayAskPeer
+// says the leader may ask a peer for it: until it knows, the flight counts
+// as waiting on one (viaPeer), so that no scheduler serving peers follows
+// it in the meantime.
+func (fs *Flights) join(k key, mayAskPeer bool) (*flight, bool) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if f, ok := fs.m[k]; ok {
@@ -58,6 +75,7 @@ func (fs *Flights) join(k key) (*flight, bool) {
 		fs.m = map[key]*flight{}
 	}
 	f := &flight{verified: make(chan struct{}), done: make(chan struct{})}
+	f.viaPeer.Store(mayAskPeer)
 	fs.m[k] = f
 	return f, true
 }

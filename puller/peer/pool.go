@@ -176,7 +176,11 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second}).DialContext,
 		TLSClientConfig:     opts.TLS,
 		TLSHandshakeTimeout: opts.BackgroundWait,
-		MaxIdleConnsPerHost: 64,
+		MaxIdleConnsPerHost: 32,
+		// A node's share of each peer's connections (its server takes
+		// a few thousand): requests beyond wait for one, within their
+		// wait.
+		MaxConnsPerHost: 32,
 		IdleConnTimeout:     90 * time.Second,
 	}
 	if opts.TLS != nil {
@@ -424,6 +428,9 @@ func (p *Pool) timedOut(addr string, slow bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	a := p.avoided[addr]
+	if time.Now().Before(a.until) {
+		return false // a request from before it was avoided
+	}
 	if slow {
 		a.slow++
 	} else {
@@ -467,8 +474,8 @@ type repoPeers struct {
 }
 
 // Fetch implements fetch.Peers.
-func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, urgent <-chan struct{}, got func(int, []byte) error) int {
-	return r.p.fetch(ctx, r.repo, chunks, urgent, got)
+func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) int {
+	return r.p.fetch(ctx, r.repo, chunks, fault, urgent, got)
 }
 
 // Errors of a peer request, as counted.
@@ -492,7 +499,7 @@ type statusError struct {
 
 func (e statusError) Error() string { return fmt.Sprintf("peer answered %d: %s", e.code, e.msg) }
 
-func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, urgent <-chan struct{}, got func(int, []byte) error) int {
+func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) int {
 	chunks = withinLimits(chunks)
 	if len(chunks) == 0 {
 		return 0
@@ -501,7 +508,7 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, ur
 	if !ok || owner.self {
 		return 0
 	}
-	n, err := p.ask(ctx, owner.addr, repo, chunks, urgent, got)
+	n, err := p.ask(ctx, owner.addr, repo, chunks, fault, urgent, got)
 	if err == nil {
 		p.succeeded(owner.addr)
 		return n
@@ -520,6 +527,10 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, ur
 	case kind == "busy" || kind == "short":
 		// Alive, but without the chunk now: upstream, no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
+	case errors.Is(err, errSlow) && !fault:
+		// Late with a chunk a read (not a fault) waits on: it may be
+		// fetching it for everyone; not counted against it.
+		p.opts.Logger.Debug("peer late", "peer", owner.addr, "blob", chunks[0].Blob, "err", err)
 	case kind == "timeout" && !p.timedOut(owner.addr, errors.Is(err, errSlow)):
 		p.opts.Logger.Debug("peer timed out", "peer", owner.addr, "blob", chunks[0].Blob, "err", err)
 	default:
@@ -568,9 +579,11 @@ func errorKind(err error) string {
 // The peer must connect and answer (the header, which a server sends at
 // once) within AnswerWait, then send each byte within BackgroundWait;
 // from when urgent is closed, UrgentWait for both. The whole answer must
-// come within 5 times that, not counting the time got takes (the local
-// disk's back-pressure is not the peer's).
-func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
+// come within 5 times BackgroundWait, and within 5 times UrgentWait from
+// when urgent is closed, not counting the time got takes (the local
+// disk's back-pressure is not the peer's). fault is sent: the owner then
+// fetches the first chunk first.
+func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
 	isUrgent := func() bool {
 		select {
 		case <-urgent:
@@ -579,7 +592,7 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 			return false
 		}
 	}
-	req := request{Repository: repo, Urgent: isUrgent(), Chunks: make([]wireChunk, len(chunks))}
+	req := request{Repository: repo, Urgent: fault, Chunks: make([]wireChunk, len(chunks))}
 	for i, c := range chunks {
 		req.Chunks[i] = toWire(c)
 	}
@@ -590,7 +603,7 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var stalled, answered, connected, wrote atomic.Bool
-	wait := func() time.Duration {
+	timer := &stallTimer{wait: func() time.Duration {
 		switch {
 		case isUrgent():
 			return p.opts.UrgentWait
@@ -598,17 +611,22 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 			return p.opts.AnswerWait
 		}
 		return p.opts.BackgroundWait
-	}
-	timer := time.AfterFunc(wait(), func() { stalled.Store(true); cancel() })
-	defer timer.Stop()
-	if !isUrgent() {
-		// A read that comes to wait on these chunks shortens the wait.
+	}}
+	timer.start(func() { stalled.Store(true); cancel() })
+	defer timer.stop()
+	// A read that comes to wait on these chunks shortens the wait, and
+	// starts the short bound of the whole answer.
+	var urgentAt atomic.Int64
+	if isUrgent() {
+		urgentAt.Store(time.Now().UnixNano())
+	} else {
 		done := make(chan struct{})
 		defer close(done)
 		go func() {
 			select {
 			case <-urgent:
-				timer.Reset(p.opts.UrgentWait)
+				urgentAt.Store(time.Now().UnixNano())
+				timer.arm()
 			case <-done:
 			}
 		}()
@@ -630,7 +648,7 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 		case connected.Load():
 			phase = "sending the request"
 		}
-		return fmt.Errorf("%w (%s, %s): %v", errStalled, wait(), phase, err)
+		return fmt.Errorf("%w (%s, %s): %v", errStalled, timer.wait(), phase, err)
 	}
 	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+addr+ChunksPath, bytes.NewReader(body))
 	if err != nil {
@@ -639,6 +657,10 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	hr.Header.Set("Authorization", "Bearer "+p.opts.Token)
 	hr.Header.Set("Content-Type", "application/json")
 	hr.Header.Set(NodeHeader, p.id)
+	// The request only reads: the transport may send it again on a fresh
+	// connection when a kept-alive one turns out closed (the key itself
+	// is not sent).
+	hr.Header["Idempotency-Key"] = nil
 	hr = hr.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		GotConn:      func(httptrace.GotConnInfo) { connected.Store(true) },
 		WroteRequest: func(httptrace.WroteRequestInfo) { wrote.Store(true) },
@@ -649,19 +671,22 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	}
 	defer resp.Body.Close()
 	answered.Store(true)
-	timer.Reset(wait())
+	timer.arm()
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		return 0, statusError{resp.StatusCode, strings.TrimSpace(string(msg))}
 	}
 	start := time.Now()
-	var inGot time.Duration
+	var inGot time.Duration // since start
+	var inGotUrgent time.Duration
 	r := &progressReader{r: resp.Body, progress: func() error {
-		w := wait()
-		if time.Since(start)-inGot > 5*w {
-			return fmt.Errorf("%w: the answer took over %s", errStalled, 5*w)
+		if time.Since(start)-inGot > 5*p.opts.BackgroundWait {
+			return fmt.Errorf("%w: the answer took over %s", errStalled, 5*p.opts.BackgroundWait)
 		}
-		timer.Reset(w)
+		if at := urgentAt.Load(); at != 0 && time.Since(time.Unix(0, at))-inGotUrgent > 5*p.opts.UrgentWait {
+			return fmt.Errorf("%w: a read has waited on the answer over %s", errSlow, 5*p.opts.UrgentWait)
+		}
+		timer.arm()
 		return nil
 	}}
 	for i, c := range chunks {
@@ -672,14 +697,18 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 			}
 			return i, stallErr(err)
 		}
-		timer.Stop()
+		timer.pause()
 		t := time.Now()
 		err := got(i, buf)
-		inGot += time.Since(t)
+		d := time.Since(t)
+		inGot += d
+		if urgentAt.Load() != 0 {
+			inGotUrgent += d
+		}
+		timer.resume()
 		if err != nil {
 			return i, corruptError{err}
 		}
-		timer.Reset(wait())
 		p.opts.Metrics.receivedBytes(c.Size)
 	}
 	// The end of the body, so that the connection is used again; bytes
@@ -688,6 +717,52 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 		return len(chunks), fmt.Errorf("peer sent more than the %d chunks asked for", len(chunks))
 	}
 	return len(chunks), nil
+}
+
+// stallTimer fires when a peer has sent nothing for its current wait.
+// It is paused while the member stores what it received, and armed
+// (again from now, for the wait of the moment) at every byte and at every
+// change of the wait; a pause holds against an arming meanwhile.
+type stallTimer struct {
+	wait   func() time.Duration
+	mu     sync.Mutex
+	t      *time.Timer
+	paused bool
+}
+
+func (s *stallTimer) start(fire func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.t = time.AfterFunc(s.wait(), fire)
+}
+
+func (s *stallTimer) arm() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.paused {
+		s.t.Reset(s.wait())
+	}
+}
+
+func (s *stallTimer) pause() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.paused = true
+	s.t.Stop()
+}
+
+func (s *stallTimer) resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.paused = false
+	s.t.Reset(s.wait())
+}
+
+func (s *stallTimer) stop() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.paused = true
+	s.t.Stop()
 }
 
 // progressReader calls progress after every read that returned bytes,

@@ -188,7 +188,7 @@ func TestStalledPeerGivesUp(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, false)}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := oneByte
 	for i := 1; i <= timeoutsToAvoid; i++ {
-		n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, now, func(int, []byte) error {
+		n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, now, func(int, []byte) error {
 			t.Error("a chunk was taken from a peer that sent none")
 			return nil
 		})
@@ -208,7 +208,8 @@ func TestStalledPeerGivesUp(t *testing.T) {
 // held serves chunks from a map, as a node holding them would.
 type held map[digest.Digest][]byte
 
-func (h held) ServeChunks(_ context.Context, _ string, chunks []format.Chunk, _ bool, emit func([]byte) error) error {
+func (h held) ServeChunks(_ context.Context, _ string, chunks []format.Chunk, _ bool, ready func(), emit func([]byte) error) error {
+	ready()
 	for _, c := range chunks {
 		data, ok := h[c.Digest]
 		if !ok {
@@ -241,12 +242,12 @@ func TestTLSAndShortAnswers(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{RootCAs: roots}})
 	var got [][]byte
 	take := func(i int, data []byte) error { got = append(got, data); return nil }
-	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, nil, take); n != 1 || string(got[0]) != string(a) {
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, nil, take); n != 1 || string(got[0]) != string(a) {
 		t.Fatalf("took %d chunks: %q", n, got)
 	}
 	// c2 is not held: the answer stops after c1, and c2 goes upstream.
 	got = nil
-	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, nil, take); n != 1 {
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, false, nil, take); n != 1 {
 		t.Fatalf("took %d chunks, want 1 (the peer lacks the second)", n)
 	}
 	if live, _ := p.Members(); len(live) != 1 {
@@ -254,7 +255,7 @@ func TestTLSAndShortAnswers(t *testing.T) {
 	}
 	// Without the CA, the peer's certificate is refused.
 	q := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{}})
-	if n := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, nil, take); n != 0 {
+	if n := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, nil, take); n != 0 {
 		t.Fatal("took a chunk from a peer whose certificate it cannot check")
 	}
 }
@@ -268,7 +269,7 @@ func TestSlowOwnerKeptForFaults(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, true)}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := oneByte
 	for i := 1; i <= slowToAvoid; i++ {
-		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, now, func(int, []byte) error { return nil }); n != 0 {
+		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
 		}
 		if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != float64(i) {
@@ -289,7 +290,7 @@ func TestReadMakesWaitShort(t *testing.T) {
 	urgent := make(chan struct{})
 	done := make(chan int)
 	go func() {
-		done <- p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, urgent, func(int, []byte) error { return nil })
+		done <- p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, false, urgent, func(int, []byte) error { return nil })
 	}()
 	select {
 	case <-done:
@@ -353,7 +354,7 @@ func TestServerRefusals(t *testing.T) {
 	defer srv2.Close()
 	self := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv2.URL, "http://")}})
 	own, _ = NewServer(held{}, ServerOptions{Token: token, NodeID: self.ID()})
-	if n := self.For("r/x").Fetch(context.Background(), []format.Chunk{c}, nil, func(int, []byte) error { return nil }); n != 0 {
+	if n := self.For("r/x").Fetch(context.Background(), []format.Chunk{c}, false, nil, func(int, []byte) error { return nil }); n != 0 {
 		t.Fatal("took a chunk from itself")
 	}
 	if _, me := self.Members(); me != strings.TrimPrefix(srv2.URL, "http://") {
@@ -364,7 +365,38 @@ func TestServerRefusals(t *testing.T) {
 // chunksFunc serves nothing: it calls f, then fails.
 type chunksFunc func()
 
-func (f chunksFunc) ServeChunks(context.Context, string, []format.Chunk, bool, func([]byte) error) error {
+func (f chunksFunc) ServeChunks(_ context.Context, _ string, _ []format.Chunk, _ bool, ready func(), _ func([]byte) error) error {
+	ready()
 	f()
 	return fmt.Errorf("nothing here")
+}
+
+// refusing cannot serve any repository (too many served at once, say).
+type refusing struct{}
+
+func (refusing) ServeChunks(context.Context, string, []format.Chunk, bool, func(), func([]byte) error) error {
+	return fmt.Errorf("serving too many repositories")
+}
+
+// TestRefusedRepositoryIsBusy: a node that cannot serve a repository
+// answers 503 before anything else, and the asking pool goes upstream
+// without avoiding it.
+func TestRefusedRepositoryIsBusy(t *testing.T) {
+	h, err := NewServer(refusing{}, ServerOptions{Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	reg := prometheus.NewRegistry()
+	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, Metrics: NewMetrics(reg)})
+	if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil }); n != 0 {
+		t.Fatalf("took %d chunks", n)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("busy")); got != 1 {
+		t.Fatalf("busy answers counted: %v, want 1", got)
+	}
+	if live, _ := p.Members(); len(live) != 1 {
+		t.Fatal("a peer that refused one repository was avoided")
+	}
 }

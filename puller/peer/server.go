@@ -22,10 +22,12 @@ type Chunks interface {
 	// ServeChunks gets each of chunks (frames of one blob of the
 	// repository, "host[:port]/name") verified, from the node cache, a
 	// fetch in flight on the node, or upstream (fetched once, however
-	// many peers ask), and calls emit with its bytes, in order. It stops
-	// at the first chunk it cannot get, or when emit fails. The bytes
-	// passed to emit must not be kept.
-	ServeChunks(ctx context.Context, repository string, chunks []format.Chunk, urgent bool, emit func(data []byte) error) error
+	// many peers ask), and calls emit with its bytes, in order. It calls
+	// ready once it can serve the repository (before the first emit):
+	// an error before that refuses the request (503), after it ends the
+	// answer. It stops at the first chunk it cannot get, or when emit
+	// fails. The bytes passed to emit must not be kept.
+	ServeChunks(ctx context.Context, repository string, chunks []format.Chunk, urgent bool, ready func(), emit func(data []byte) error) error
 }
 
 // ServerOptions configure a Server.
@@ -146,16 +148,25 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	for _, c := range chunks {
 		total += c.Size
 	}
-	w.Header().Set("Content-Type", "application/octet-stream")
-	// The length, so that the connection is used again after a whole
-	// answer; an answer cut short closes it.
-	w.Header().Set("Content-Length", strconv.FormatInt(total, 10))
-	w.WriteHeader(http.StatusOK)
-	// The header tells the asking peer this one is alive before the
-	// first chunk is ready: a slow chunk is then told from a dead peer.
-	rc.Flush()
+	answered := false
+	ready := func() {
+		if answered {
+			return
+		}
+		answered = true
+		w.Header().Set("Content-Type", "application/octet-stream")
+		// The length, so that the connection is used again after a
+		// whole answer; an answer cut short closes it.
+		w.Header().Set("Content-Length", strconv.FormatInt(total, 10))
+		w.WriteHeader(http.StatusOK)
+		// The header tells the asking peer this one is alive before the
+		// first chunk is ready: a slow chunk is then told from a dead
+		// peer.
+		rc.Flush()
+	}
 	served := 0
-	err = s.chunks.ServeChunks(r.Context(), req.Repository, chunks, req.Urgent, func(data []byte) error {
+	err = s.chunks.ServeChunks(r.Context(), req.Repository, chunks, req.Urgent, ready, func(data []byte) error {
+		ready()
 		rc.SetWriteDeadline(time.Now().Add(s.opts.WriteTimeout))
 		if _, err := w.Write(data); err != nil {
 			return err
@@ -167,6 +178,16 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		served++
 		return nil
 	})
+	if !answered {
+		// Refused before anything was served: the asking peer goes
+		// upstream without holding it against this one.
+		msg := "cannot serve the repository now"
+		if err != nil {
+			msg += ": " + err.Error()
+		}
+		http.Error(w, msg, http.StatusServiceUnavailable)
+		return
+	}
 	if err != nil && r.Context().Err() == nil && !errors.Is(err, context.Canceled) {
 		s.opts.Logger.Warn("peer request: chunks not served", "remote", r.RemoteAddr, "repository", req.Repository, "blob", chunks[0].Blob, "served", served, "asked", len(chunks), "err", err)
 	}
