@@ -181,7 +181,7 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 		// a few thousand): requests beyond wait for one, within their
 		// wait.
 		MaxConnsPerHost: 32,
-		IdleConnTimeout:     90 * time.Second,
+		IdleConnTimeout: 90 * time.Second,
 	}
 	if opts.TLS != nil {
 		p.scheme = "https"
