@@ -209,6 +209,9 @@ type Scheduler struct {
 	// link estimates the link from the fetches done, to bound the
 	// background fetches while urgent ones run.
 	link link
+	// faultWorkers counts the workers started for page faults beyond
+	// Options.Workers (faultWorker).
+	faultWorkers int
 	// running is set by SandboxFaulted: the sandbox runs. Before it,
 	// reads go ahead of profile chunks (the restore itself waits on
 	// them); after it, profile chunks go ahead of reads.
@@ -488,6 +491,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 			cl.prio = prio
 			s.queues[prio] = append(s.queues[prio], cl)
 			s.cond.Signal()
+			s.faultWorker(prio)
 		}
 		return cl, nil
 	}
@@ -495,7 +499,55 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	s.calls[k] = cl
 	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
+	s.faultWorker(prio)
 	return cl, nil
+}
+
+// maxFaultWorkers bounds the workers started for page faults beyond
+// Options.Workers.
+const maxFaultWorkers = 4
+
+// faultWorker starts a worker of its own for a page fault just queued
+// (prio Fault) when every worker is busy: with the link slow, or with
+// fetches waiting on a peer that stalls (up to its answer wait), a fault
+// would otherwise wait for one of them to end. s.mu is held.
+func (s *Scheduler) faultWorker(prio Priority) {
+	busy := 0
+	for _, n := range s.active {
+		busy += n
+	}
+	if prio != Fault || busy < s.opts.Workers || s.faultWorkers >= maxFaultWorkers {
+		return
+	}
+	s.faultWorkers++
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.mu.Lock()
+		var cl *call
+		if !s.closed {
+			cl = s.pop(Fault)
+		}
+		if cl == nil {
+			// A worker took it meanwhile, or the scheduler closed.
+			s.faultWorkers--
+			s.mu.Unlock()
+			return
+		}
+		cl.started = true
+		s.active[Fault]++
+		s.record(cl)
+		s.mu.Unlock()
+		start := time.Now()
+		s.run(cl)
+		end := time.Now()
+		s.mu.Lock()
+		s.link.done(cl.chunk.BlobSize, end.Sub(start), end)
+		s.active[Fault]--
+		s.faultWorkers--
+		s.cond.Broadcast()
+		s.mu.Unlock()
+	}()
 }
 
 // next takes the next call to run, and the priority it runs at: the

@@ -1,14 +1,19 @@
 package fetch
 
 import (
+	"bytes"
 	"context"
+	"io"
 	"testing"
 	"time"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
-// TestPriorityOrder: with one worker busy, queued work runs faults first
-// (newest first), then a profile's chunks in its order, then reads, then
-// prefetches.
+// TestPriorityOrder: with the one worker busy, a fault starts at once on a
+// worker of its own; the queued work runs a profile's chunks first, in its
+// order, then reads, then prefetches.
 func TestPriorityOrder(t *testing.T) {
 	c, codec := setup(t)
 	cs, b := rawChunks(1, 7, 4096)
@@ -23,17 +28,17 @@ func TestPriorityOrder(t *testing.T) {
 	go func() { data, err := s.Get(ctx, cs[2], nil, Read); read <- result{data, err} }()
 	prof := s.FetchProfile(cs[3:5])
 	fault := get(s, ctx, cs[5])
-	// Let the read and the fault reach the queue.
+	// Let the read reach the queue and the fault start.
 	deadline := time.Now().Add(hangLimit)
 	for {
 		s.mu.Lock()
-		n := len(s.queues[Read]) + len(s.queues[Fault])
+		queued, faulting := len(s.queues[Read]), s.active[Fault]
 		s.mu.Unlock()
-		if n == 2 {
+		if queued == 1 && faulting == 1 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("read and fault never queued")
+			t.Fatal("read never queued, or the fault never started")
 		}
 		time.Sleep(time.Millisecond)
 	}
@@ -144,5 +149,50 @@ func TestLinkBackgroundLimit(t *testing.T) {
 	}
 	if n := l.backgroundLimit(12); n != 4 {
 		t.Errorf("after runs that did not fetch: limit %d, want 4 still", n)
+	}
+}
+
+// stuckExcept blocks every fetch but those of free, until its test ends,
+// and counts the fetches blocked.
+type stuckExcept struct {
+	blobs
+	free    digest.Digest
+	stuck   chan struct{}
+	release chan struct{}
+}
+
+func (s *stuckExcept) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
+	if desc.Digest != s.free {
+		s.stuck <- struct{}{}
+		select {
+		case <-s.release:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return s.blobs.Fetch(ctx, desc)
+}
+
+// TestFaultWithEveryWorkerStuck: while every worker waits on a fetch that
+// does not end (a stalled link or peer), a page fault is still fetched,
+// on a worker of its own, rather than waiting for one of them.
+func TestFaultWithEveryWorkerStuck(t *testing.T) {
+	c, codec := setup(t)
+	chunks, b := rawChunks(40, 5, 4096)
+	fault := chunks[4]
+	st := &stuckExcept{blobs: b, free: fault.Digest, stuck: make(chan struct{}, 8), release: make(chan struct{})}
+	defer close(st.release)
+	s := startScheduler(t, []Endpoint{{Name: "stuck", Store: st}}, c, codec, Options{Workers: 2})
+	s.Prefetch(chunks[:4])
+	<-st.stuck
+	<-st.stuck // both workers are stuck
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	data, err := s.Get(ctx, fault, nil, Fault)
+	if err != nil {
+		t.Fatalf("a page fault waited for a worker stuck on another fetch: %v", err)
+	}
+	if !bytes.Equal(data, b[fault.Digest]) {
+		t.Fatal("wrong bytes")
 	}
 }
