@@ -1,7 +1,8 @@
 // Package fetch is the puller's chunk fetch scheduler. Demand reads (a
 // restoring sandbox reading memory that is not local yet: its background
-// loader's reads and its application's page faults) jump the queue;
-// everything else is prefetched in the background, in the order given
+// loader's reads and its application's page faults) jump the queue, and a
+// page fault that finds every worker busy gets one of its own; everything
+// else is prefetched in the background, in the order given
 // (ascending offsets, or a prefetch list). A bounded pool of workers keeps
 // several fetches in flight over keep-alive connections; each chunk is
 // tried on an ordered list of endpoints (mirrors first, then the primary),
