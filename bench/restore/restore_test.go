@@ -79,7 +79,13 @@ func BenchmarkRestore(b *testing.B) {
 				reps = *shapedRep
 			}
 			for r := range reps {
-				work := b.TempDir()
+				// Removed after each rep (its paths share the caches): a
+				// 2 GiB app's copies over many reps fill the disk.
+				work, err := os.MkdirTemp("", "cryo-bench-restore-")
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { os.RemoveAll(work) })
 				cache := filepath.Join(work, "cache")
 				for _, path := range paths {
 					var cmd *exec.Cmd
@@ -158,6 +164,9 @@ func BenchmarkRestore(b *testing.B) {
 					key := fmt.Sprintf("%d|%s|%s", mib, link.Name, path)
 					results[key] = append(results[key], s)
 					fmt.Fprintf(os.Stderr, "%d MiB %s rep %d %-32s running %.3fs loaded %.3fs wire %.0f MiB\n", mib, link.Name, r, path, s.running, s.loaded, s.wire/(1<<20))
+				}
+				if err := os.RemoveAll(work); err != nil {
+					b.Fatal(err)
 				}
 			}
 		}
