@@ -1,7 +1,6 @@
 package scale
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -12,7 +11,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -115,22 +113,8 @@ func (d *pullerd) mountAndWait(ref string) (string, error) {
 }
 
 // metric sums a counter of the daemon's /metrics.
-func (d *pullerd) metric(name string) float64 {
-	resp, err := d.client.Get("http://puller/metrics")
-	if err != nil {
-		return 0
-	}
-	defer resp.Body.Close()
-	var sum float64
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if line := sc.Text(); strings.HasPrefix(line, name+" ") || strings.HasPrefix(line, name+"{") {
-			f := strings.Fields(line)
-			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
-			sum += v
-		}
-	}
-	return sum
+func (d *pullerd) metric(t *testing.T, name string) float64 {
+	return metricVia(t, d.client, "http://puller/metrics", name, "")
 }
 
 // TestPeerDaemons runs 4 `cryo puller serve` processes on loopback that
@@ -189,7 +173,7 @@ func TestPeerDaemons(t *testing.T) {
 	}
 	var fromPeers float64
 	for _, d := range ds {
-		fromPeers += d.metric("cryo_puller_peer_received_bytes_total")
+		fromPeers += d.metric(t, "cryo_puller_peer_received_bytes_total")
 	}
 	if fromPeers == 0 {
 		t.Fatal("no chunk went between the daemons")
@@ -202,7 +186,7 @@ func TestPeerDaemons(t *testing.T) {
 		t.Fatalf("the daemon with another token: %v\n%s", err, stranger.log())
 	}
 	testenv.SameImage(t, dir, img)
-	if got := stranger.metric("cryo_puller_peer_received_bytes_total"); got != 0 {
+	if got := stranger.metric(t, "cryo_puller_peer_received_bytes_total"); got != 0 {
 		t.Fatalf("the daemon with another token received %.0f bytes from the pool", got)
 	}
 	if got := blobs() - before; got < stored {
@@ -210,7 +194,7 @@ func TestPeerDaemons(t *testing.T) {
 	}
 	var refused float64
 	for _, d := range ds {
-		refused += d.metric("cryo_puller_peer_refused_requests_total")
+		refused += d.metric(t, "cryo_puller_peer_refused_requests_total")
 	}
 	if refused == 0 {
 		t.Fatal("no daemon refused the other token")

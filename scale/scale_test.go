@@ -123,7 +123,13 @@ func deleteSnapshot(t *testing.T, host, repo, tag string) {
 // contain match (all series if "") from a /metrics URL.
 func metric(t *testing.T, url, name, match string) float64 {
 	t.Helper()
-	resp, err := http.Get(url)
+	return metricVia(t, http.DefaultClient, url, name, match)
+}
+
+// metricVia is metric through client (a daemon's unix socket).
+func metricVia(t *testing.T, client *http.Client, url, name, match string) float64 {
+	t.Helper()
+	resp, err := client.Get(url)
 	if err != nil {
 		t.Fatal(err)
 	}
