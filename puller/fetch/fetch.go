@@ -539,14 +539,9 @@ func (s *Scheduler) faultWorker(prio Priority) {
 		s.active[Fault]++
 		s.record(cl)
 		s.mu.Unlock()
-		start := time.Now()
-		s.run(cl)
-		end := time.Now()
+		s.runCall(cl, Fault)
 		s.mu.Lock()
-		s.link.done(cl.chunk.BlobSize, end.Sub(start), end)
-		s.active[Fault]--
 		s.faultWorkers--
-		s.cond.Broadcast()
 		s.mu.Unlock()
 	}()
 }
@@ -716,21 +711,27 @@ func (s *Scheduler) worker() {
 		if cl == nil {
 			return
 		}
-		start := time.Now()
-		n := cl.chunk.BlobSize
-		for _, b := range cl.batch {
-			n += b.chunk.BlobSize
-		}
-		s.run(cl)
-		end := time.Now()
-		s.mu.Lock()
-		s.link.done(n, end.Sub(start), end)
-		// The priority it ran at: a call run again (requeue) may have
-		// been promoted since.
-		s.active[prio]--
-		s.cond.Broadcast() // lower priorities may run now
-		s.mu.Unlock()
+		s.runCall(cl, prio)
 	}
+}
+
+// runCall runs call cl, taken at priority prio (counted in active), and
+// accounts for it: the link's estimate, the priority's count.
+func (s *Scheduler) runCall(cl *call, prio Priority) {
+	start := time.Now()
+	n := cl.chunk.BlobSize
+	for _, b := range cl.batch {
+		n += b.chunk.BlobSize
+	}
+	s.run(cl)
+	end := time.Now()
+	s.mu.Lock()
+	s.link.done(n, end.Sub(start), end)
+	// The priority it ran at: a call run again (requeue) may have been
+	// promoted since.
+	s.active[prio]--
+	s.cond.Broadcast() // lower priorities may run now
+	s.mu.Unlock()
 }
 
 // run fetches cl's chunk and returns once its write into the node cache is

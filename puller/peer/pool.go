@@ -342,11 +342,17 @@ func (p *Pool) Members() (live []string, self string) {
 		if m.self {
 			self = m.addr
 		}
-		if m.self || !now.Before(p.avoided[m.addr].until) {
+		if p.live(m, now) {
 			live = append(live, m.addr)
 		}
 	}
 	return live, self
+}
+
+// live reports whether member m is in the live set at now: this node, or
+// a peer not being avoided. p.mu is held.
+func (p *Pool) live(m member, now time.Time) bool {
+	return m.self || !now.Before(p.avoided[m.addr].until)
 }
 
 // setLive updates the live gauge; p.mu is held.
@@ -354,7 +360,7 @@ func (p *Pool) setLive() {
 	now := time.Now()
 	n := 0
 	for _, m := range p.members {
-		if m.self || !now.Before(p.avoided[m.addr].until) {
+		if p.live(m, now) {
 			n++
 		}
 	}
@@ -372,7 +378,7 @@ func (p *Pool) owner(u digest.Digest) (member, bool) {
 	var bestScore uint64
 	found, live := false, 0
 	for _, m := range p.members {
-		if !m.self && now.Before(p.avoided[m.addr].until) {
+		if !p.live(m, now) {
 			continue
 		}
 		live++
