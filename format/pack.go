@@ -68,6 +68,23 @@ type PackOptions struct {
 	// PackSize is the size format v2 fills packs to (default
 	// DefaultPackSize, at most MaxPackSize).
 	PackSize int
+	// Composer, if set, is asked (format v2) for every pack the
+	// destination lacks before it is uploaded, and may make it, or a pack
+	// of some of its chunks, from frames the destination holds elsewhere.
+	Composer PackComposer
+}
+
+// PackComposer makes, in the destination, packs of frames the destination
+// already holds elsewhere (format v2): a cryo registry composes them from
+// chunks of other repositories, with no upload (SPEC.md 12.2.1).
+type PackComposer interface {
+	// ComposePack gets the chunks of a pack about to be uploaded, in pack
+	// order (Digest, Size and Encoding set), and the size of that pack. It
+	// returns, by chunk digest, the entries of the chunks it now has
+	// frames of in a pack the destination holds (Encoding, Blob,
+	// BlobSize, PackOffset and PackSize set), or none. An error ends the
+	// push; a composer that cannot help returns no entries.
+	ComposePack(ctx context.Context, chunks []Chunk, packSize int64) (map[digest.Digest]Chunk, error)
 }
 
 // ChunkResolver finds, by a chunk's uncompressed digest, a blob that carries
@@ -102,6 +119,11 @@ type PackStats struct {
 	// ReusedBytes is the stored size of the distinct chunks (format v2)
 	// the snapshot references in packs that were stored before it.
 	ReusedBytes int64 `json:"reusedBytes"`
+	// ComposedBytes is the size of the frames (format v2) the destination
+	// put in packs it composed from chunks it held elsewhere, instead of
+	// an upload (PackOptions.Composer); PacksComposed counts those packs.
+	ComposedBytes int64 `json:"composedBytes,omitempty"`
+	PacksComposed int   `json:"packsComposed,omitempty"`
 }
 
 // Pack chunks and encodes the image dir dir, stores every blob, manifest and

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"io"
+	"sync"
 
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/cryo-oci/cryo/internal/ordered"
@@ -51,21 +52,29 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	var members []int
 	first := map[digest.Digest]int{}
 	var dups [][2]int // {entry, first entry}
+	// moved are entries whose frames a composer put elsewhere, applied
+	// once every pack is stored (the sink appends to chunks meanwhile).
+	var movedMu sync.Mutex
+	var moved []movedFrame
 	seal := func() {
 		if len(pack) == 0 {
 			return
 		}
 		data := pack
 		desc := ocispec.Descriptor{MediaType: MediaTypePack, Digest: digest.FromBytes(data), Size: int64(len(data))}
-		for _, i := range members {
+		sealed := make([]movedFrame, len(members))
+		for k, i := range members {
 			chunks[i].Blob, chunks[i].PackSize = desc.Digest, desc.Size
+			sealed[k] = movedFrame{entry: i, chunk: chunks[i]}
 		}
 		uploads.Go(func() error {
-			uploaded, err := p.pushIfMissing(uctx, desc, data)
+			m, err := p.storePack(uctx, desc, data, sealed)
 			if err != nil {
 				return fmt.Errorf("store pack %s: %w", desc.Digest, err)
 			}
-			p.count(uploaded, desc.Size)
+			movedMu.Lock()
+			moved = append(moved, m...)
+			movedMu.Unlock()
 			return nil
 		})
 		pack, members = make([]byte, 0, p.opts.PackSize), nil
@@ -111,6 +120,9 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	if err != nil {
 		return nil, 0, fmt.Errorf("pack %s: %w", f.path, err)
 	}
+	for _, m := range moved {
+		chunks[m.entry] = m.chunk
+	}
 	for _, d := range dups {
 		off := chunks[d[0]].Offset
 		chunks[d[0]] = chunks[d[1]]
@@ -136,6 +148,83 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	p.mu.Unlock()
 	descs, err := p.pushParts(ctx, f, size, digest.NewDigestFromBytes(digest.SHA256, fileHash.Sum(nil)), chunks)
 	return descs, size, err
+}
+
+// movedFrame is a table entry of a sealed pack's chunk: where its frame
+// lies once the pack is stored.
+type movedFrame struct {
+	entry int
+	chunk Chunk
+}
+
+// storePack stores the sealed pack desc (data), whose chunks' entries are
+// members, unless the destination has it. With a composer, the destination
+// is first asked to compose it; the chunks it composed are moved to its
+// pack, and the others into a smaller pack of their frames, uploaded. It
+// returns the entries that moved.
+func (p *packer) storePack(ctx context.Context, desc ocispec.Descriptor, data []byte, members []movedFrame) ([]movedFrame, error) {
+	if p.opts.Composer == nil {
+		uploaded, err := p.pushIfMissing(ctx, desc, data)
+		p.count(uploaded, desc.Size)
+		return nil, err
+	}
+	if ok, err := p.dst.Exists(ctx, desc); err != nil || ok {
+		if ok {
+			p.count(false, desc.Size)
+		}
+		return nil, err
+	}
+	want := make([]Chunk, len(members))
+	for k, m := range members {
+		want[k] = m.chunk
+	}
+	got, err := p.opts.Composer.ComposePack(ctx, want, desc.Size)
+	if err != nil {
+		return nil, fmt.Errorf("compose: %w", err)
+	}
+	var moved, rest []movedFrame
+	var restData []byte
+	composed := map[digest.Digest]int64{}
+	for _, m := range members {
+		c := m.chunk
+		g, ok := got[c.Digest]
+		if ok {
+			g.Offset, g.Size, g.Digest = c.Offset, c.Size, c.Digest
+			if g.Packed() && g.validateEncoding() == nil {
+				moved = append(moved, movedFrame{entry: m.entry, chunk: g})
+				composed[g.Blob] += g.BlobSize
+				continue
+			}
+		}
+		frame := data[c.PackOffset : c.PackOffset+c.BlobSize]
+		c.PackOffset = int64(len(restData))
+		restData = append(restData, frame...)
+		rest = append(rest, movedFrame{entry: m.entry, chunk: c})
+	}
+	if len(moved) == 0 {
+		uploaded, err := p.pushIfMissing(ctx, desc, data)
+		p.count(uploaded, desc.Size)
+		return nil, err
+	}
+	p.mu.Lock()
+	for _, n := range composed {
+		p.stats.PacksComposed++
+		p.stats.ComposedBytes += n
+	}
+	p.mu.Unlock()
+	if len(rest) > 0 {
+		rdesc := ocispec.Descriptor{MediaType: MediaTypePack, Digest: digest.FromBytes(restData), Size: int64(len(restData))}
+		uploaded, err := p.pushIfMissing(ctx, rdesc, restData)
+		if err != nil {
+			return nil, err
+		}
+		p.count(uploaded, rdesc.Size)
+		for _, r := range rest {
+			r.chunk.Blob, r.chunk.PackSize = rdesc.Digest, rdesc.Size
+			moved = append(moved, r)
+		}
+	}
+	return moved, nil
 }
 
 // identifyV2 hashes data and, unless it is zero or the resolver knows a

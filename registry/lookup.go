@@ -7,7 +7,9 @@ import (
 	"net/http"
 
 	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/distribution/distribution/v3/registry/auth"
+	"github.com/distribution/reference"
 	"github.com/gorilla/mux"
 	"github.com/opencontainers/go-digest"
 )
@@ -98,4 +100,63 @@ func (s *Server) allowed(r *http.Request, repo string) bool {
 	}
 	_, err := s.access.Authorized(r, auth.Access{Resource: auth.Resource{Type: "repository", Name: repo}, Action: "pull"})
 	return err == nil
+}
+
+// maxComposeBody bounds a composition request's body: MaxComposeChunks
+// chunks of about 100 bytes each, and room to spare.
+const maxComposeBody = 1 << 20
+
+// handleCompose answers POST /v2/_cryo/packs (SPEC.md 12.2.1): it makes, in
+// the repository named, a pack of verified frames of the chunks asked for
+// that the registry holds in repositories the caller may pull from. The
+// caller needs push and pull access to the repository; a mirror keeps no
+// chunk index and composes nothing.
+func (s *Server) handleCompose(w http.ResponseWriter, r *http.Request) {
+	if s.mirrorOf != "" {
+		writeRegistryError(w, http.StatusNotFound, "UNSUPPORTED", "a mirror composes no packs")
+		return
+	}
+	if !s.authorize(w, r, "") {
+		return
+	}
+	var req api.ComposeRequest
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxComposeBody)).Decode(&req); err != nil {
+		writeRegistryError(w, http.StatusBadRequest, "UNSUPPORTED", "decode composition request: "+err.Error())
+		return
+	}
+	if _, err := reference.WithName(req.Repository); err != nil {
+		writeRegistryError(w, http.StatusBadRequest, "NAME_INVALID", fmt.Sprintf("repository %q: %v", req.Repository, err))
+		return
+	}
+	if len(req.Chunks) > api.MaxComposeChunks {
+		writeRegistryError(w, http.StatusBadRequest, "UNSUPPORTED", fmt.Sprintf("at most %d chunks per composition", api.MaxComposeChunks))
+		return
+	}
+	if !s.authorize(w, r, req.Repository, "pull", "push") {
+		return
+	}
+	canPull := map[string]bool{req.Repository: true}
+	visible := func(repo string) bool {
+		ok, seen := canPull[repo]
+		if !seen {
+			ok = s.allowed(r, repo)
+			canPull[repo] = ok
+		}
+		return ok
+	}
+	resp, err := s.chunks.Compose(r.Context(), req.Repository, req.Chunks, req.MinLength, visible)
+	if chunkindex.IsBadRequest(err) {
+		writeRegistryError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
+		return
+	}
+	if err != nil {
+		writeRegistryError(w, http.StatusInternalServerError, "UNKNOWN", err.Error())
+		return
+	}
+	s.metrics.composed(resp)
+	w.Header().Set("Content-Type", "application/json")
+	if resp.Pack != nil {
+		w.WriteHeader(http.StatusCreated)
+	}
+	json.NewEncoder(w).Encode(resp)
 }

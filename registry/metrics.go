@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
@@ -23,6 +24,8 @@ type metrics struct {
 	// chunkVerifications counts chunk table entries the chunk index
 	// checked against their blob, by result (ok, refused).
 	chunkVerifications *prometheus.CounterVec
+	// composedBytes counts frame bytes copied into composed packs.
+	composedBytes prometheus.Counter
 }
 
 func newMetrics(s *Server) *metrics {
@@ -44,6 +47,10 @@ func newMetrics(s *Server) *metrics {
 			Name: "cryo_registry_chunk_index_verifications_total",
 			Help: "Chunks of pushed chunk tables the chunk index checked against their blob before recording them, by result (ok; refused: the blob does not hold the chunk, or could not be read).",
 		}, []string{"result"}),
+		composedBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cryo_registry_composed_bytes_total",
+			Help: "Frame bytes the registry copied, verified, into packs it composed for format v2 pushers (bytes not uploaded).",
+		}),
 	}
 	readOnly := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "cryo_registry_read_only",
@@ -54,7 +61,7 @@ func newMetrics(s *Server) *metrics {
 		}
 		return 0
 	})
-	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, m.chunkVerifications, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
+	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, m.chunkVerifications, m.composedBytes, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
 }
 
@@ -64,6 +71,13 @@ func (m *metrics) chunkVerified(ok bool) {
 		m.chunkVerifications.WithLabelValues("ok").Inc()
 	} else {
 		m.chunkVerifications.WithLabelValues("refused").Inc()
+	}
+}
+
+// composed counts the frames of a composition.
+func (m *metrics) composed(resp *api.ComposeResponse) {
+	for _, f := range resp.Frames {
+		m.composedBytes.Add(float64(f.PackLength))
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/cryo-oci/cryo/registry/maintenance"
@@ -192,6 +193,7 @@ func (s *Server) routes() http.Handler {
 	r := mux.NewRouter()
 	r.HandleFunc("/v2/_cryo/chunks/{digest}", s.handleChunkLookup).Methods(http.MethodGet)
 	r.HandleFunc("/v2/_cryo/chunks", s.handleChunkBatch).Methods(http.MethodPost)
+	r.HandleFunc(api.PacksPath, s.handleCompose).Methods(http.MethodPost)
 	r.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }).Methods(http.MethodGet)
 	r.HandleFunc("/readyz", s.handleReady).Methods(http.MethodGet)
 	r.HandleFunc(distributionPath(v2.RouteNameBlob), s.handleBlob).Methods(http.MethodGet, http.MethodHead)
@@ -266,17 +268,23 @@ func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
 }
 
 // authorize checks that the request's credentials may pull from repo (or
-// reach the registry at all if repo is ""), with the access controller
+// take the actions given instead, or reach the registry at all if repo is
+// ""), with the access controller
 // distribution uses. On refusal it answers 401 with the controller's
 // challenge, as distribution does, or, for any other refusal, 403 DENIED
 // (where distribution answers a bare 400), and returns false.
-func (s *Server) authorize(w http.ResponseWriter, r *http.Request, repo string) bool {
+func (s *Server) authorize(w http.ResponseWriter, r *http.Request, repo string, actions ...string) bool {
 	if s.access == nil {
 		return true
 	}
 	var access []auth.Access
 	if repo != "" {
-		access = []auth.Access{{Resource: auth.Resource{Type: "repository", Name: repo}, Action: "pull"}}
+		if len(actions) == 0 {
+			actions = []string{"pull"}
+		}
+		for _, a := range actions {
+			access = append(access, auth.Access{Resource: auth.Resource{Type: "repository", Name: repo}, Action: a})
+		}
 	}
 	_, err := s.access.Authorized(r, access...)
 	if err == nil {

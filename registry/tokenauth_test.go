@@ -61,14 +61,25 @@ func (ti *tokenIssuer) configure(cfg *configuration.Configuration) {
 // token returns a bearer token granting pull on the repositories named.
 func (ti *tokenIssuer) token(t *testing.T, pull ...string) string {
 	t.Helper()
+	grants := map[string][]string{}
+	for _, repo := range pull {
+		grants[repo] = []string{"pull"}
+	}
+	return ti.tokenFor(t, grants)
+}
+
+// tokenFor returns a bearer token granting, on each repository named, the
+// actions given.
+func (ti *tokenIssuer) tokenFor(t *testing.T, grants map[string][]string) string {
+	t.Helper()
 	jwk := &jose.JSONWebKey{Key: ti.key, KeyID: token.GetJWKThumbprint(&ti.key.PublicKey), Algorithm: string(jose.ES256)}
 	signer, err := jose.NewSigner(jose.SigningKey{Algorithm: jose.ES256, Key: jwk}, (&jose.SignerOptions{EmbedJWK: true}).WithType("JWT"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	var access []*token.ResourceActions
-	for _, repo := range pull {
-		access = append(access, &token.ResourceActions{Type: "repository", Name: repo, Actions: []string{"pull"}})
+	for repo, actions := range grants {
+		access = append(access, &token.ResourceActions{Type: "repository", Name: repo, Actions: actions})
 	}
 	now := time.Now()
 	claims := token.ClaimSet{Issuer: "cryo-test-issuer", Subject: "tester", Audience: []string{"cryo-test"},

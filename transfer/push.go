@@ -200,8 +200,13 @@ func (p *Pusher) Close() { p.pk.Close() }
 func packOptions(repo *remote.Repository, opts PushOptions) (format.PackOptions, *indexResolver) {
 	popts := opts.Pack
 	var resolver *indexResolver
-	// The chunk index names v1 blobs; a v2 push reuses its base's packs.
-	if !opts.NoChunkIndex && popts.Format != format.V2 {
+	// The chunk index names v1 blobs; a v2 push reuses its base's packs
+	// and has the registry compose packs of chunks held elsewhere.
+	switch {
+	case opts.NoChunkIndex:
+	case popts.Format == format.V2:
+		popts.Composer = &packComposer{repo: repo, base: BaseURL(repo)}
+	default:
 		resolver = &indexResolver{repo: repo, base: BaseURL(repo)}
 		popts.Resolver = resolver
 	}

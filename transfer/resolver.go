@@ -54,3 +54,47 @@ func (r *indexResolver) ResolveChunk(ctx context.Context, c format.Chunk) (forma
 	}
 	return c, false, nil
 }
+
+// packComposer asks a cryo registry to compose format v2 packs from
+// chunks it holds in repositories the pusher may pull from (SPEC.md
+// 12.2.1), instead of uploading them. After any failure (a registry
+// without the extension, or an error in it) it turns itself off: the push
+// goes on uploading.
+type packComposer struct {
+	repo     *remote.Repository
+	base     string
+	disabled atomic.Bool
+}
+
+// composeMinDivisor sets the least share of a pack's bytes (1/2) a
+// composition must cover to be made: a pack split into a composed and an
+// uploaded part costs readers two requests where one would do.
+const composeMinDivisor = 2
+
+func (pc *packComposer) ComposePack(ctx context.Context, chunks []format.Chunk, packSize int64) (map[digest.Digest]format.Chunk, error) {
+	if pc.disabled.Load() || len(chunks) > api.MaxComposeChunks {
+		return nil, nil
+	}
+	req := api.ComposeRequest{Repository: pc.repo.Reference.Repository, MinLength: packSize / composeMinDivisor,
+		Chunks: make([]api.ComposeChunk, len(chunks))}
+	for i, c := range chunks {
+		req.Chunks[i] = api.ComposeChunk{Digest: c.Digest, Size: c.Size}
+	}
+	resp, err := api.Compose(ctx, pc.repo.Client, pc.base, req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		pc.disabled.Store(true)
+		return nil, nil
+	}
+	if resp.Pack == nil || resp.Pack.MediaType != format.MediaTypePack {
+		return nil, nil
+	}
+	out := make(map[digest.Digest]format.Chunk, len(resp.Frames))
+	for _, f := range resp.Frames {
+		out[f.Digest] = format.Chunk{Size: f.Size, Encoding: format.Encoding(f.Encoding), Digest: f.Digest,
+			Blob: resp.Pack.Digest, PackSize: resp.Pack.Size, PackOffset: f.PackOffset, BlobSize: f.PackLength}
+	}
+	return out, nil
+}

@@ -33,7 +33,11 @@ With --format v2, chunks are small (64 KiB mean) and new ones go into 4 MiB
 packs; chunks an earlier v2 snapshot of the same repository holds (--base,
 default: the snapshot the tag names now) are referenced where they lie, so a
 second checkpoint of the same app uploads little more than what changed.
-Packs are never shared across repositories.
+Packs are never shared across repositories: a pack holds other chunks of
+the snapshot it was made for. Instead, before uploading a new pack, cryo
+asks a cryo registry to compose it from chunks it already holds in
+repositories you may pull from; the registry copies, verified, only the
+frames of the chunks named, into a new pack of this repository.
 
 REF is host[:port]/repository[:tag] (default tag "latest"). Credentials come
 from Docker's config and credential helpers (see cryo login), or -u with
@@ -72,7 +76,7 @@ from Docker's config and credential helpers (see cryo login), or -u with
 	ro.register(cmd)
 	fo.register(cmd, true)
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
-	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (HEAD each blob only; format v1)")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (v1) or have it compose packs (v2): HEAD each blob, upload what is missing")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }
@@ -86,12 +90,15 @@ func printPushed(w io.Writer, title string, res *transfer.PushResult, took strin
 	fmt.Fprintf(w, "  digest     %s\n", res.Descriptor.Digest)
 	fmt.Fprintf(w, "  logical    %s in %d files\n", humanBytes(st.LogicalBytes), st.Files)
 	fmt.Fprintf(w, "  uploaded   %s in %d blobs (%s of logical)\n", humanBytes(st.UploadedBytes), st.BlobsUploaded, percent(st.UploadedBytes, st.LogicalBytes))
-	if res.Base != nil || st.ReusedBytes > 0 {
+	if res.Base != nil || st.ReusedBytes > 0 || st.ComposedBytes > 0 {
 		base := "none"
 		if res.Base != nil {
 			base = res.Base.Digest.String()
 		}
 		fmt.Fprintf(w, "  reused     %s of %s stored in earlier packs (base %s), %d zero chunks\n", humanBytes(st.ReusedBytes), humanBytes(st.StoredBytes), base, st.Chunks[format.EncodingZero])
+		if st.ComposedBytes > 0 {
+			fmt.Fprintf(w, "  composed   %s in %d packs the registry made from chunks it holds elsewhere\n", humanBytes(st.ComposedBytes), st.PacksComposed)
+		}
 	} else {
 		fmt.Fprintf(w, "  skipped    %d chunk blobs the registry had (%d via its chunk index), %d zero chunks\n", st.BlobsSkipped, res.ChunkIndexHits, st.Chunks[format.EncodingZero])
 	}

@@ -95,3 +95,91 @@ func Lookup(ctx context.Context, c Doer, baseURL string, digests []digest.Digest
 	}
 	return out, nil
 }
+
+// PacksPath is the path of pack composition (format v2), relative to the
+// registry's base URL.
+const PacksPath = "/v2/_cryo/packs"
+
+// Bounds of one composition: at most MaxComposeChunks chunks asked for,
+// and a pack of at most MaxComposePack bytes of frames (the format v2
+// pack limit; chunks past it are left out).
+const (
+	MaxComposeChunks = 4096
+	MaxComposePack   = 16 << 20
+)
+
+// ComposeRequest is the body of POST /v2/_cryo/packs: make, in Repository,
+// a pack of frames of the chunks listed (in this order) that the registry
+// holds in repositories the caller may pull from.
+type ComposeRequest struct {
+	// Repository is where the pack is stored; the caller needs push and
+	// pull access to it.
+	Repository string `json:"repository"`
+	// Chunks are the chunks wanted, by uncompressed digest and size.
+	Chunks []ComposeChunk `json:"chunks"`
+	// MinLength, if positive, is the fewest frame bytes worth a pack: if
+	// the registry finds fewer, it makes none.
+	MinLength int64 `json:"minLength,omitempty"`
+}
+
+// ComposeChunk names a chunk wanted in a composed pack.
+type ComposeChunk struct {
+	Digest digest.Digest `json:"digest"`
+	Size   int64         `json:"size"`
+}
+
+// ComposeResponse answers a composition: the pack made (absent if none)
+// and, in pack order, the frames it holds.
+type ComposeResponse struct {
+	Pack   *PackDescriptor `json:"pack,omitempty"`
+	Frames []ComposedFrame `json:"frames"`
+}
+
+// PackDescriptor identifies a composed pack blob.
+type PackDescriptor struct {
+	MediaType string        `json:"mediaType"`
+	Digest    digest.Digest `json:"digest"`
+	Size      int64         `json:"size"`
+}
+
+// ComposedFrame is a chunk's frame in a composed pack.
+type ComposedFrame struct {
+	Digest     digest.Digest `json:"digest"`
+	Size       int64         `json:"size"`
+	Encoding   string        `json:"encoding"`
+	PackOffset int64         `json:"packOffset"`
+	PackLength int64         `json:"packLength"`
+}
+
+// Compose asks the registry at baseURL to compose a pack (SPEC.md 12.2.1).
+// A registry without the extension gives ErrUnsupported.
+func Compose(ctx context.Context, c Doer, baseURL string, creq ComposeRequest) (*ComposeResponse, error) {
+	if len(creq.Chunks) > MaxComposeChunks {
+		return nil, fmt.Errorf("compose pack: %d chunks, at most %d", len(creq.Chunks), MaxComposeChunks)
+	}
+	body, _ := json.Marshal(creq)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, baseURL+PacksPath, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("compose pack: %w", err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	switch {
+	case resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed:
+		return nil, ErrUnsupported
+	case resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusCreated:
+		return nil, fmt.Errorf("compose pack: %s", resp.Status)
+	case err != nil:
+		return nil, fmt.Errorf("compose pack: %w", err)
+	}
+	var cr ComposeResponse
+	if err := json.Unmarshal(data, &cr); err != nil {
+		return nil, fmt.Errorf("compose pack: decode answer: %w", err)
+	}
+	return &cr, nil
+}

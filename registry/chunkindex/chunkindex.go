@@ -91,6 +91,17 @@ func New(driver extstore.Driver, ns distribution.Namespace, codec *format.Codec,
 type indexEntry struct {
 	api.ChunkBlob
 	Verified bool `json:"verified,omitempty"`
+	// Frame marks an entry of a format v2 table: the chunk's frame is
+	// PackLength bytes at PackOffset of the pack ChunkBlob.Digest (of
+	// ChunkBlob.Size bytes). It is the pusher's word: lookups never answer
+	// it, and a composition verifies the frame's bytes whenever it copies
+	// them (compose.go).
+	Frame      bool  `json:"frame,omitempty"`
+	PackOffset int64 `json:"packOffset,omitempty"`
+	PackLength int64 `json:"packLength,omitempty"`
+	// Repositories link the pack of a Frame entry (which leaves
+	// ChunkBlob.Repository empty).
+	Repositories []string `json:"repositories,omitempty"`
 }
 
 func chunkDir(d digest.Digest) string {
@@ -108,7 +119,11 @@ func EntryPath(chunk, blob digest.Digest) string {
 // is left out (and logged); it fails nothing else.
 func (ci *Index) IndexManifest(ctx context.Context, repo string, body []byte) error {
 	var m ocispec.Manifest
-	if err := json.Unmarshal(body, &m); err != nil || m.ArtifactType != format.ArtifactTypeFile || m.Config.MediaType != format.MediaTypeChunkTable {
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil
+	}
+	v2 := m.ArtifactType == format.ArtifactTypeFileV2 && m.Config.MediaType == format.MediaTypeChunkTableV2
+	if !v2 && (m.ArtifactType != format.ArtifactTypeFile || m.Config.MediaType != format.MediaTypeChunkTable) {
 		return nil
 	}
 	if m.Config.Size <= 0 || m.Config.Size > format.MaxTableSize || m.Config.Digest.Validate() != nil {
@@ -129,10 +144,17 @@ func (ci *Index) IndexManifest(ctx context.Context, repo string, body []byte) er
 		ci.bufs.Put(bp)
 		return fmt.Errorf("chunk table %s does not match its digest", m.Config.Digest)
 	}
-	t, err := format.ParseTable(data)
+	parse := format.ParseTable
+	if v2 {
+		parse = format.ParseTableV2
+	}
+	t, err := parse(data)
 	ci.bufs.Put(bp)
 	if err != nil {
 		return err
+	}
+	if v2 {
+		return ci.indexFrames(ctx, repo, r, t)
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(indexParallelism)
@@ -275,7 +297,7 @@ func (ci *Index) Lookup(ctx context.Context, d digest.Digest, visible func(repo 
 			continue
 		}
 		var b indexEntry
-		if json.Unmarshal(data, &b) != nil || !b.Verified || b.Digest.Validate() != nil || !visible(b.Repository) {
+		if json.Unmarshal(data, &b) != nil || !b.Verified || b.Frame || b.Digest.Validate() != nil || !visible(b.Repository) {
 			continue
 		}
 		live, err := ci.linked(ctx, b.ChunkBlob)
@@ -311,10 +333,36 @@ func (ci *Index) repository(ctx context.Context, repo string) (distribution.Repo
 	return extstore.Repository(ctx, ci.ns, repo)
 }
 
-// Prune drops entries whose blob is no longer linked, and entries written
-// before verification existed; gc calls it.
+// Prune drops entries whose blob is no longer linked, entries written
+// before verification existed (v1 entries that are not frames), and the
+// frame lists of packs their recorded repository no longer links; gc calls
+// it.
 func (ci *Index) Prune(ctx context.Context) (int, error) {
-	return extstore.Prune(ctx, ci.driver, Root, func(p string) bool {
+	lists, err := extstore.Prune(ctx, ci.driver, PacksRoot, func(p string) bool {
+		data, err := ci.driver.GetContent(ctx, p)
+		if err != nil {
+			return false
+		}
+		var l packList
+		if json.Unmarshal(data, &l) != nil {
+			return false
+		}
+		kept, dropped, err := ci.pruneRepositories(ctx, digest.Digest("sha256:"+path.Base(p)), l.Repositories)
+		if err != nil || !dropped {
+			return false
+		}
+		if len(kept) == 0 {
+			return true
+		}
+		l.Repositories = kept
+		data, _ = json.Marshal(l)
+		_ = ci.driver.PutContent(ctx, p, data)
+		return false
+	})
+	if err != nil {
+		return lists, err
+	}
+	entries, err := extstore.Prune(ctx, ci.driver, Root, func(p string) bool {
 		data, err := ci.driver.GetContent(ctx, p)
 		if err != nil {
 			return false
@@ -323,10 +371,23 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		if json.Unmarshal(data, &b) != nil {
 			return false
 		}
+		if b.Frame {
+			kept, dropped, err := ci.pruneRepositories(ctx, b.Digest, b.Repositories)
+			if err != nil || !dropped {
+				return false
+			}
+			if len(kept) == 0 {
+				return true
+			}
+			b.Repositories = kept
+			_ = ci.put(ctx, p, b)
+			return false
+		}
 		if !b.Verified {
 			return true
 		}
 		live, err := ci.linked(ctx, b.ChunkBlob)
 		return err == nil && !live
 	})
+	return lists + entries, err
 }

@@ -1,0 +1,494 @@
+package chunkindex
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"path"
+	"slices"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/extstore"
+	"github.com/distribution/distribution/v3"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sync/errgroup"
+)
+
+// Format v2 (SPEC.md 12.2.1). A pack holds many chunks, so it is never
+// cross-mounted: a new repository's readers could read every chunk in it.
+// Instead the registry composes, in the pusher's repository, a new pack of
+// just the chunks the pusher names, copying their frames from packs in
+// repositories the pusher may pull from, each frame decoded and checked
+// against the chunk's digest as it is copied.
+//
+// The index of v2 frames is sparse (as in sparse indexing for backup
+// dedup, Lillibridge et al., FAST '09): one entry per anchor chunk (1 in
+// 16, by digest), naming a pack that holds it, and one frame list
+// per pack; the chunk at the start of each pack is an anchor too. Chunks
+// of a file lie side by side in its packs, and a pusher asks for the
+// chunks of one pack at a time, so the anchors among them, and the first
+// of them (which starts a pack, if its packs are cut where the pusher's
+// are), find the packs that hold the others: a 1 GiB push writes about a
+// thousand entries and a hundred and fifty lists instead of sixteen
+// thousand entries. Both are the pusher's word, recorded unverified at
+// push (reading back every pushed byte would cost each push what only a
+// composition needs), never answered to lookups, and checked frame by
+// frame whenever a composition copies one.
+
+// isAnchor reports whether chunk d is an anchor by its digest: 1 in 16
+// are, those whose digest's last hex digit is 0.
+func isAnchor(d digest.Digest) bool {
+	e := d.Encoded()
+	return len(e) > 0 && e[len(e)-1] == '0'
+}
+
+// PacksRoot is where the frame lists of packs live in the storage driver:
+// PacksRoot/sha256/<hh>/<pack hex>.
+const PacksRoot = "/cryo/v1/packs"
+
+// PackListPath is where pack d's frame list is stored.
+func PackListPath(d digest.Digest) string {
+	hex := d.Encoded()
+	return path.Join(PacksRoot, d.Algorithm().String(), hex[:2], hex)
+}
+
+// packList is a pack's frame list: the frames chunk tables say it holds.
+type packList struct {
+	// Repositories link the pack (at most maxRepositories are recorded).
+	Repositories []string      `json:"repositories"`
+	Size         int64         `json:"size"`
+	Frames       []listedFrame `json:"frames"`
+}
+
+// maxRepositories bounds the repositories an anchor entry or a pack list
+// records: enough to find one the caller may pull from.
+const maxRepositories = 64
+
+// withRepository returns repos with repo added (unless it is there or
+// repos is full), and whether it changed.
+func withRepository(repos []string, repo string) ([]string, bool) {
+	if slices.Contains(repos, repo) || len(repos) >= maxRepositories {
+		return repos, false
+	}
+	return append(repos, repo), true
+}
+
+// listedFrame is one frame of a pack list.
+type listedFrame struct {
+	Digest   digest.Digest `json:"digest"`
+	Size     int64         `json:"size"`
+	Encoding string        `json:"encoding"`
+	Offset   int64         `json:"offset"`
+	Length   int64         `json:"length"`
+}
+
+// maxListedFrames bounds a pack list (about 2 MB of JSON): a pack with
+// more frames is not listed.
+const maxListedFrames = 16384
+
+// composeSources bounds the packs one composition reads frame lists of;
+// composeCandidates the frames of one chunk it tries before it leaves the
+// chunk out.
+const (
+	composeSources    = 16
+	composeCandidates = 3
+)
+
+// indexFrames records v2 table t pushed to repo (r): for each pack it
+// names, linked in repo with the size the table says, the frames the
+// table puts there (merged into the pack's list), and an entry for each
+// anchor chunk naming that pack. The frames' bytes are checked only when
+// a composition copies them.
+func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Repository, t *format.Table) error {
+	byPack := map[digest.Digest][]listedFrame{}
+	for _, c := range t.Chunks {
+		if c.Packed() {
+			byPack[c.Blob] = append(byPack[c.Blob], listedFrame{Digest: c.Digest, Size: c.Size, Encoding: string(c.Encoding), Offset: c.PackOffset, Length: c.BlobSize})
+		}
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(indexParallelism)
+	for _, p := range t.Packs {
+		desc, err := r.Blobs(ctx).Stat(ctx, p.Digest)
+		if err != nil || desc.Size != p.Size {
+			continue
+		}
+		g.Go(func() error { return ci.mergePackList(gctx, repo, p, byPack[p.Digest]) })
+	}
+	type key struct{ chunk, pack digest.Digest }
+	seen := map[key]bool{}
+	for _, c := range t.Chunks {
+		k := key{c.Digest, c.Blob}
+		if !c.Packed() || !(isAnchor(c.Digest) || c.PackOffset == 0) || seen[k] {
+			continue
+		}
+		seen[k] = true
+		g.Go(func() error { return ci.indexAnchor(gctx, repo, c) })
+	}
+	return g.Wait()
+}
+
+// mergePackList adds frames of pack p, linked in repo, to its list. Two
+// pushes merging at once may lose one's frames: a list is a hint, checked
+// at use, and the next push naming the pack adds them again.
+func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descriptor, frames []listedFrame) error {
+	lp := PackListPath(p.Digest)
+	var list packList
+	changed := true
+	if data, err := ci.driver.GetContent(ctx, lp); err == nil && json.Unmarshal(data, &list) == nil && list.Size == p.Size {
+		list.Repositories, changed = withRepository(list.Repositories, repo)
+		have := make(map[int64]bool, len(list.Frames))
+		for _, f := range list.Frames {
+			have[f.Offset] = true
+		}
+		for _, f := range frames {
+			if !have[f.Offset] {
+				have[f.Offset] = true
+				list.Frames = append(list.Frames, f)
+				changed = true
+			}
+		}
+	} else {
+		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames}
+	}
+	if !changed || len(list.Frames) > maxListedFrames {
+		return nil
+	}
+	data, _ := json.Marshal(list)
+	if err := ci.driver.PutContent(ctx, lp, data); err != nil {
+		return fmt.Errorf("index pack %s: %w", p.Digest, err)
+	}
+	return nil
+}
+
+// indexAnchor records that anchor chunk c has a frame in its pack, linked
+// in repo.
+func (ci *Index) indexAnchor(ctx context.Context, repo string, c format.Chunk) error {
+	p := EntryPath(c.Digest, c.Blob)
+	e := indexEntry{Frame: true, PackOffset: c.PackOffset, PackLength: c.BlobSize, ChunkBlob: api.ChunkBlob{
+		Encoding: string(c.Encoding), MediaType: format.MediaTypePack, Digest: c.Blob, Size: c.PackSize, ChunkSize: c.Size}}
+	if data, err := ci.driver.GetContent(ctx, p); err == nil {
+		var old indexEntry
+		if json.Unmarshal(data, &old) == nil {
+			if old.Verified {
+				// A verified v1 entry at this path is a raw chunk blob
+				// that is also a pack of one frame; compositions take
+				// frames of packs only.
+				return nil
+			}
+			if old.Frame && old.PackOffset == e.PackOffset && old.PackLength == e.PackLength && old.Size == e.Size {
+				e.Repositories = old.Repositories
+			}
+		}
+	}
+	repos, changed := withRepository(e.Repositories, repo)
+	if !changed {
+		return nil
+	}
+	e.Repositories = repos
+	return ci.put(ctx, p, e)
+}
+
+// pruneRepositories keeps, of repos, those that still link blob d, and
+// reports whether any was dropped.
+func (ci *Index) pruneRepositories(ctx context.Context, d digest.Digest, repos []string) ([]string, bool, error) {
+	var kept []string
+	for _, r := range repos {
+		live, err := ci.linked(ctx, api.ChunkBlob{Repository: r, Digest: d})
+		if err != nil {
+			return repos, false, err
+		}
+		if live {
+			kept = append(kept, r)
+		}
+	}
+	return kept, len(kept) != len(repos), nil
+}
+
+// source is a frame a composition may copy: chunk c's frame (c.Blob,
+// c.PackOffset, c.BlobSize, c.PackSize, c.Encoding) in repository repo.
+type source struct {
+	repo string
+	c    format.Chunk
+}
+
+// frameOf returns the frame f of pack (size bytes) describes for a chunk
+// of the size wanted, if it is one a table could hold.
+func frameOf(pack digest.Digest, size int64, f listedFrame, want api.ComposeChunk) (format.Chunk, bool) {
+	c := format.Chunk{Size: want.Size, Digest: want.Digest, Encoding: format.Encoding(f.Encoding), Blob: pack, PackSize: size, PackOffset: f.Offset, BlobSize: f.Length}
+	if f.Digest != want.Digest || f.Size != want.Size || c.Check() != nil {
+		return format.Chunk{}, false
+	}
+	return c, true
+}
+
+// Compose makes in repository repo a pack of frames of the chunks asked
+// for, in their order, copied from packs in repositories visible says the
+// caller may pull from (repo included), found through the anchors among
+// the chunks asked for, each frame decoded and checked against its chunk
+// before it is copied. Chunks it finds no good frame of are left out; so
+// is every chunk from the first whose frame would take the pack past
+// api.MaxComposePack. If the frames found come to fewer than minLength
+// bytes (or none), no pack is made and the answer lists no frames.
+func (ci *Index) Compose(ctx context.Context, repo string, chunks []api.ComposeChunk, minLength int64, visible func(repo string) bool) (*api.ComposeResponse, error) {
+	var largest int64
+	for _, c := range chunks {
+		if err := c.Digest.Validate(); err != nil || c.Digest.Algorithm() != digest.SHA256 {
+			return nil, fmt.Errorf("chunk %q: %w", c.Digest, errBadRequest)
+		}
+		if c.Size <= 0 || c.Size > format.MaxChunkSize {
+			return nil, fmt.Errorf("chunk %s: size %d, want 1..%d: %w", c.Digest, c.Size, format.MaxChunkSize, errBadRequest)
+		}
+		largest = max(largest, c.Size)
+	}
+	target, err := ci.repository(ctx, repo)
+	if err != nil {
+		return nil, err
+	}
+	src := &frameSource{ci: ci, ctx: ctx, visible: visible, readers: map[string]io.ReadSeekCloser{}, bad: map[digest.Digest]bool{}}
+	defer src.close()
+	sources, err := src.find(chunks)
+	if err != nil {
+		return nil, err
+	}
+	empty := &api.ComposeResponse{Frames: []api.ComposedFrame{}}
+	if len(sources) == 0 {
+		return empty, nil
+	}
+	// The pack being built, one frame and its decoded chunk.
+	weight := int64(api.MaxComposePack) + 2*largest
+	if err := ci.mem.Acquire(ctx, weight); err != nil {
+		return nil, err
+	}
+	defer ci.mem.Release(weight)
+	var pack, frame, decoded []byte
+	resp := &api.ComposeResponse{Frames: []api.ComposedFrame{}}
+	done := map[digest.Digest]bool{}
+	for _, want := range chunks {
+		if done[want.Digest] {
+			continue
+		}
+		done[want.Digest] = true
+		c, ok, err := src.copyable(sources[want.Digest], &frame, &decoded)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			continue
+		}
+		if len(pack)+len(frame) > api.MaxComposePack {
+			break
+		}
+		resp.Frames = append(resp.Frames, api.ComposedFrame{Digest: want.Digest, Size: want.Size, Encoding: string(c.Encoding),
+			PackOffset: int64(len(pack)), PackLength: int64(len(frame))})
+		pack = append(pack, frame...)
+	}
+	if len(pack) == 0 || int64(len(pack)) < minLength {
+		return empty, nil
+	}
+	desc := ocispec.Descriptor{MediaType: format.MediaTypePack, Digest: digest.FromBytes(pack), Size: int64(len(pack))}
+	if err := storeBlob(ctx, target, desc, pack); err != nil {
+		return nil, fmt.Errorf("store composed pack in %s: %w", repo, err)
+	}
+	resp.Pack = &api.PackDescriptor{MediaType: desc.MediaType, Digest: desc.Digest, Size: desc.Size}
+	return resp, nil
+}
+
+// errBadRequest marks a composition asked for with invalid chunks.
+var errBadRequest = errors.New("invalid composition request")
+
+// IsBadRequest reports whether err is Compose refusing its request.
+func IsBadRequest(err error) bool { return errors.Is(err, errBadRequest) }
+
+// storeBlob stores data as desc in r, unless r already links it.
+func storeBlob(ctx context.Context, r distribution.Repository, desc ocispec.Descriptor, data []byte) error {
+	blobs := r.Blobs(ctx)
+	if _, err := blobs.Stat(ctx, desc.Digest); err == nil {
+		return nil
+	}
+	w, err := blobs.Create(ctx)
+	if err != nil {
+		return err
+	}
+	if _, err := w.Write(data); err != nil {
+		_ = w.Cancel(ctx)
+		return err
+	}
+	if _, err := w.Commit(ctx, desc); err != nil {
+		_ = w.Cancel(ctx)
+		return err
+	}
+	return nil
+}
+
+// frameSource reads recorded frames for one composition, keeping a reader
+// open per source blob (frames of one pack are usually asked for in
+// order).
+type frameSource struct {
+	ci      *Index
+	ctx     context.Context
+	visible func(repo string) bool
+	readers map[string]io.ReadSeekCloser // by repository and blob
+	// bad holds the packs whose lists named a frame that does not hold
+	// its chunk; firstBad describes the first, for one log line per
+	// composition.
+	bad      map[digest.Digest]bool
+	firstBad []any
+}
+
+func (s *frameSource) close() {
+	for _, r := range s.readers {
+		r.Close()
+	}
+	if len(s.bad) > 0 {
+		s.ci.opts.Logger.Warn("chunk index: pack lists name frames that do not hold their chunks; lists dropped (the first frame is named)",
+			append([]any{"packs", len(s.bad)}, s.firstBad...)...)
+	}
+}
+
+// find returns, for the chunks asked for, the frames the lists of the
+// packs their anchors name say hold them, at most composeCandidates per
+// chunk, from at most composeSources visible packs.
+func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]source, error) {
+	ctx := s.ctx
+	wanted := make(map[digest.Digest]api.ComposeChunk, len(chunks))
+	for _, c := range chunks {
+		wanted[c.Digest] = c
+	}
+	type packRef struct {
+		repo string
+		pack digest.Digest
+	}
+	var packs []packRef
+	seen := map[digest.Digest]bool{}
+	for i, want := range chunks {
+		if !(isAnchor(want.Digest) || i == 0) || len(packs) == composeSources {
+			continue
+		}
+		entries, err := s.ci.driver.List(ctx, chunkDir(want.Digest))
+		if extstore.IsNotFound(err) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		for _, p := range entries {
+			data, err := s.ci.driver.GetContent(ctx, p)
+			if err != nil {
+				continue
+			}
+			var e indexEntry
+			if json.Unmarshal(data, &e) != nil || !e.Frame || e.Digest.Validate() != nil || seen[e.Digest] {
+				continue
+			}
+			i := slices.IndexFunc(e.Repositories, s.visible)
+			if i < 0 {
+				continue
+			}
+			seen[e.Digest] = true
+			packs = append(packs, packRef{e.Repositories[i], e.Digest})
+			if len(packs) == composeSources {
+				break
+			}
+		}
+	}
+	out := map[digest.Digest][]source{}
+	for _, p := range packs {
+		data, err := s.ci.driver.GetContent(ctx, PackListPath(p.pack))
+		if err != nil {
+			continue
+		}
+		var list packList
+		if json.Unmarshal(data, &list) != nil {
+			continue
+		}
+		// The repository chosen links the pack (checked when a frame is
+		// read).
+		for _, f := range list.Frames {
+			want, ok := wanted[f.Digest]
+			if !ok || len(out[f.Digest]) == composeCandidates {
+				continue
+			}
+			if c, ok := frameOf(p.pack, list.Size, f, want); ok {
+				out[f.Digest] = append(out[f.Digest], source{repo: p.repo, c: c})
+			}
+		}
+	}
+	return out, nil
+}
+
+// copyable returns the first of sources whose frame, read into *frame,
+// decodes (into *decoded) to its chunk. A pack whose list names a frame
+// that does not hold its chunk loses its list (a blob's content never
+// changes; the next push naming the pack lists it again).
+func (s *frameSource) copyable(sources []source, frame, decoded *[]byte) (format.Chunk, bool, error) {
+	for _, src := range sources {
+		if s.bad[src.c.Blob] {
+			continue
+		}
+		err := s.read(src.repo, src.c, frame)
+		if err == nil {
+			*decoded, err = s.ci.codec.Decode(src.c, *frame, *decoded)
+		}
+		if err == nil {
+			s.ci.opts.OnVerify(true)
+			return src.c, true, nil
+		}
+		if s.ctx.Err() != nil {
+			return format.Chunk{}, false, s.ctx.Err()
+		}
+		if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) {
+			s.ci.opts.OnVerify(false)
+			if len(s.bad) == 0 {
+				s.firstBad = []any{"repository", src.repo, "chunk", src.c.Digest, "pack", src.c.Blob, "offset", src.c.PackOffset, "err", err}
+			}
+			s.bad[src.c.Blob] = true
+			_ = s.ci.driver.Delete(s.ctx, PackListPath(src.c.Blob))
+			continue
+		}
+		if !errors.Is(err, distribution.ErrBlobUnknown) {
+			s.ci.opts.Logger.Warn("chunk index: read a listed frame", "repository", src.repo, "chunk", src.c.Digest, "pack", src.c.Blob, "err", err)
+		}
+	}
+	return format.Chunk{}, false, nil
+}
+
+// read reads chunk c's frame (c.BlobSize bytes at c.PackOffset of blob
+// c.Blob, linked in repo with size c.PackSize) into *frame.
+func (s *frameSource) read(repo string, c format.Chunk, frame *[]byte) error {
+	key := repo + "@" + c.Blob.String()
+	rd, ok := s.readers[key]
+	if !ok {
+		r, err := s.ci.repository(s.ctx, repo)
+		if err != nil {
+			return err
+		}
+		desc, err := r.Blobs(s.ctx).Stat(s.ctx, c.Blob)
+		if err != nil {
+			return err
+		}
+		if desc.Size != c.PackSize {
+			return fmt.Errorf("blob %s has %d bytes, not the %d recorded: %w", c.Blob, desc.Size, c.PackSize, format.ErrDigestMismatch)
+		}
+		if rd, err = r.Blobs(s.ctx).Open(s.ctx, c.Blob); err != nil {
+			return err
+		}
+		s.readers[key] = rd
+	}
+	if _, err := rd.Seek(c.PackOffset, io.SeekStart); err != nil {
+		return err
+	}
+	if int64(cap(*frame)) < c.BlobSize {
+		*frame = make([]byte, c.BlobSize)
+	}
+	*frame = (*frame)[:c.BlobSize]
+	_, err := io.ReadFull(rd, *frame)
+	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+		return fmt.Errorf("blob %s ends before frame %d+%d: %w", c.Blob, c.PackOffset, c.BlobSize, format.ErrDigestMismatch)
+	}
+	return err
+}

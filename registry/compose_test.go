@@ -1,0 +1,403 @@
+package registry
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
+	"github.com/cryo-oci/cryo/registry/maintenance"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/content"
+	"oras.land/oras-go/v2/content/memory"
+)
+
+var v2Push = transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}
+
+// snapshotTables loads the chunk tables of the snapshot tag names in src.
+func snapshotTables(t *testing.T, src content.ReadOnlyStorage, idx ocispec.Descriptor) []*format.Table {
+	t.Helper()
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, src, idx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tables, err := format.LoadTables(ctx, src, snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tables
+}
+
+// packsHoldOnlyTheirFrames fails t unless every byte of every pack the
+// tables list is a frame one of the tables uses: a snapshot's packs hold
+// nothing but its own chunks.
+func packsHoldOnlyTheirFrames(t *testing.T, tables []*format.Table) {
+	t.Helper()
+	type frame struct {
+		pack digest.Digest
+		off  int64
+	}
+	used := map[digest.Digest]int64{}
+	size := map[digest.Digest]int64{}
+	seen := map[frame]bool{}
+	for _, tab := range tables {
+		for _, c := range tab.Chunks {
+			if !c.Packed() {
+				continue
+			}
+			size[c.Blob] = c.PackSize
+			if k := (frame{c.Blob, c.PackOffset}); !seen[k] {
+				seen[k] = true
+				used[c.Blob] += c.BlobSize
+			}
+		}
+	}
+	for p, n := range size {
+		if used[p] != n {
+			t.Errorf("pack %s holds %d bytes, the snapshot's frames %d: it holds memory of another snapshot", p, n, used[p])
+		}
+	}
+}
+
+// TestComposeDedupsAcrossRepositories pushes one v2 snapshot to
+// repository a, then the same memory, and then a changed copy of it, to
+// repository b. The registry composes b's packs from a's frames: nothing
+// it holds is uploaded again, each of b's packs holds only b's own chunks
+// (never a pack of a, which holds other chunks too), and b pulls back
+// byte-identical.
+func TestComposeDedupsAcrossRepositories(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	src := testenv.ImageDir(t, synth.Text, 24<<20, 3)
+	a, tag := reg.repo(t, "a:v1")
+	first, err := transfer.Push(ctx, src, a, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Stats.ComposedBytes != 0 || first.Stats.UploadedBytes == 0 {
+		t.Fatalf("first push: %d bytes composed, %d uploaded", first.Stats.ComposedBytes, first.Stats.UploadedBytes)
+	}
+
+	b, tag := reg.repo(t, "b:v1")
+	res, err := transfer.Push(ctx, src, b, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Stats.UploadedBytes != 0 || res.Stats.ComposedBytes != first.Stats.StoredBytes {
+		t.Errorf("same memory in another repository: %d bytes uploaded, %d composed; want 0 and %d", res.Stats.UploadedBytes, res.Stats.ComposedBytes, first.Stats.StoredBytes)
+	}
+	packsHoldOnlyTheirFrames(t, snapshotTables(t, b, res.Descriptor))
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := transfer.Pull(ctx, b, tag, out, transfer.PullOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.SameImage(t, src, out)
+
+	// A second snapshot of the memory, 10% of it rewritten, in a third
+	// repository: the unchanged chunks are composed, the others uploaded.
+	changed := filepath.Join(t.TempDir(), "changed")
+	mutateImage(t, src, changed, 0.1)
+	c, tag := reg.repo(t, "c:v1")
+	res, err = transfer.Push(ctx, changed, c, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Stats.ComposedBytes < res.Stats.StoredBytes/2 || res.Stats.UploadedBytes > res.Stats.StoredBytes/2 {
+		t.Errorf("10%% changed: %d bytes composed, %d uploaded of %d stored", res.Stats.ComposedBytes, res.Stats.UploadedBytes, res.Stats.StoredBytes)
+	}
+	t.Logf("10%% changed: %d bytes composed in %d packs, %d uploaded, %d stored", res.Stats.ComposedBytes, res.Stats.PacksComposed, res.Stats.UploadedBytes, res.Stats.StoredBytes)
+	packsHoldOnlyTheirFrames(t, snapshotTables(t, c, res.Descriptor))
+	out = filepath.Join(t.TempDir(), "out2")
+	if _, err := transfer.Pull(ctx, c, tag, out, transfer.PullOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.SameImage(t, changed, out)
+}
+
+// mutateImage writes to dst the image dir src with frac of pages.img's
+// pages rewritten.
+func mutateImage(t *testing.T, src, dst string, frac float64) {
+	t.Helper()
+	if err := os.MkdirAll(dst, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{format.CheckpointFile, format.PagesMetaFile} {
+		data, err := os.ReadFile(filepath.Join(src, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dst, name), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	in, err := os.Open(filepath.Join(src, format.PagesFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	st, _ := in.Stat()
+	pages := st.Size() / 4096
+	err = synth.WriteFile(filepath.Join(dst, format.PagesFile), func(w io.Writer) error {
+		_, err := synth.Mutate(w, in, pages, synth.MutationPlan(pages, 0, frac, 9), synth.Text, 9)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestComposeRefusesLyingFrames has repository "evil" claim, in v2 chunk
+// tables, that every chunk of an image lies in packs of junk. An honest
+// push of that image to "victim" must not get the junk: the registry
+// checks each frame as it copies it, drops the lying pack lists and
+// composes nothing, so the victim uploads its chunks and pulls back byte-identical.
+func TestComposeRefusesLyingFrames(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	src := testenv.ImageDir(t, synth.Text, 8<<20, 5)
+	mem := memory.New()
+	idx, _, err := format.Pack(ctx, src, mem, format.PackOptions{Format: format.V2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lies []string
+	for _, tab := range snapshotTables(t, mem, idx) {
+		lies = append(lies, putLyingV2Manifest(t, reg, "evil", tab)...)
+	}
+	if len(lies) == 0 {
+		t.Fatal("no pack was lied about")
+	}
+	for _, p := range lies {
+		if _, err := reg.srv.Driver().GetContent(ctx, p); err != nil {
+			t.Fatalf("the lying pack list %s was not recorded: %v", p, err)
+		}
+	}
+
+	victim, tag := reg.repo(t, "victim:v1")
+	res, err := transfer.Push(ctx, src, victim, tag, v2Push)
+	if err != nil {
+		t.Fatalf("honest push after a lying one: %v", err)
+	}
+	if res.Stats.ComposedBytes != 0 || res.Stats.UploadedBytes == 0 {
+		t.Errorf("honest push: %d bytes composed from the lies, %d uploaded", res.Stats.ComposedBytes, res.Stats.UploadedBytes)
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := transfer.Pull(ctx, victim, tag, out, transfer.PullOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.SameImage(t, src, out)
+	dropped := 0
+	for _, p := range lies {
+		if _, err := reg.srv.Driver().GetContent(ctx, p); err != nil {
+			dropped++
+		}
+	}
+	if dropped == 0 {
+		t.Error("no lying pack list was dropped after its frames failed")
+	}
+}
+
+// putLyingV2Manifest stores in repo tab's file manifest with every pack
+// replaced by one of junk of the same size, and returns where the junk
+// packs' frame lists should be recorded.
+func putLyingV2Manifest(t *testing.T, reg *testRegistry, repo string, tab *format.Table) []string {
+	t.Helper()
+	junk := map[digest.Digest]ocispec.Descriptor{}
+	lied := *tab
+	lied.Packs = nil
+	for _, p := range tab.Packs {
+		data := bytes.Repeat([]byte{0xa5}, int(p.Size))
+		copy(data, p.Digest.Encoded())
+		d := ocispec.Descriptor{MediaType: format.MediaTypePack, Digest: digest.FromBytes(data), Size: p.Size}
+		junk[p.Digest] = d
+		lied.Packs = append(lied.Packs, d)
+		if resp := uploadBlob(t, reg, repo, d.Digest, data); resp.StatusCode != http.StatusCreated {
+			t.Fatalf("upload junk pack: %s", resp.Status)
+		}
+	}
+	lied.Chunks = append([]format.Chunk(nil), tab.Chunks...)
+	for i, c := range lied.Chunks {
+		if c.Packed() {
+			lied.Chunks[i].Blob = junk[c.Blob].Digest
+		}
+	}
+	var lists []string
+	for _, d := range junk {
+		lists = append(lists, chunkindex.PackListPath(d.Digest))
+	}
+	data, err := lied.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp := uploadBlob(t, reg, repo, digest.FromBytes(data), data); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("upload chunk table: %s", resp.Status)
+	}
+	m := ocispec.Manifest{MediaType: ocispec.MediaTypeImageManifest, ArtifactType: format.ArtifactTypeFileV2,
+		Config: ocispec.Descriptor{MediaType: format.MediaTypeChunkTableV2, Digest: digest.FromBytes(data), Size: int64(len(data))},
+		Layers: lied.Packs}
+	if len(m.Layers) == 0 {
+		m.Layers = []ocispec.Descriptor{ocispec.DescriptorEmptyJSON}
+	}
+	m.SchemaVersion = 2
+	body, _ := json.Marshal(m)
+	req, _ := http.NewRequest(http.MethodPut, reg.http.URL+"/v2/"+repo+"/manifests/"+digest.FromBytes(body).String(), bytes.NewReader(body))
+	req.Header.Set("Content-Type", ocispec.MediaTypeImageManifest)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("lying manifest PUT: %s", resp.Status)
+	}
+	return lists
+}
+
+// TestComposeChecksAccess asks, through distribution's token access
+// controller, for a pack of chunks that only repository "a" holds: with
+// pull on a, and pull and push on b, b gets the pack; without pull on a,
+// nothing is composed; without push on b, the request is challenged for
+// the scope it lacks.
+func TestComposeChecksAccess(t *testing.T) {
+	ctx := context.Background()
+	root := t.TempDir()
+	open := startRegistry(t, root)
+	src := testenv.ImageDir(t, synth.Text, 8<<20, 11)
+	a, tag := open.repo(t, "a:v1")
+	res, err := transfer.Push(ctx, src, a, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first 16 chunks of pages.img's first pack.
+	var want []api.ComposeChunk
+	for _, tab := range snapshotTables(t, a, res.Descriptor) {
+		if tab.Path != format.PagesFile || tab.Part != 0 {
+			continue
+		}
+		for _, c := range tab.Chunks {
+			if c.Packed() && c.Blob == tab.Packs[0].Digest && len(want) < 16 {
+				want = append(want, api.ComposeChunk{Digest: c.Digest, Size: c.Size})
+			}
+		}
+	}
+	if len(want) < 2 {
+		t.Fatalf("pages.img's first pack holds %d chunks", len(want))
+	}
+
+	ti := newTokenIssuer(t)
+	cfg, err := DefaultConfig(root, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ti.configure(cfg)
+	reg := startRegistryWith(t, cfg)
+	compose := func(grants map[string][]string) (*api.ComposeResponse, error) {
+		client := &http.Client{Transport: bearer(ti.tokenFor(t, grants))}
+		return api.Compose(ctx, client, reg.http.URL, api.ComposeRequest{Repository: "b", Chunks: want})
+	}
+	got, err := compose(map[string][]string{"a": {"pull"}, "b": {"pull", "push"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Pack == nil || len(got.Frames) != len(want) {
+		t.Fatalf("with pull on a: pack %v, %d frames of %d", got.Pack, len(got.Frames), len(want))
+	}
+	got, err = compose(map[string][]string{"b": {"pull", "push"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Pack != nil || len(got.Frames) != 0 {
+		t.Errorf("without pull on a: pack %v, %d frames", got.Pack, len(got.Frames))
+	}
+	body, _ := json.Marshal(api.ComposeRequest{Repository: "b", Chunks: want})
+	req, _ := http.NewRequest(http.MethodPost, reg.http.URL+api.PacksPath, bytes.NewReader(body))
+	resp, err := (&http.Client{Transport: bearer(ti.tokenFor(t, map[string][]string{"a": {"pull"}, "b": {"pull"}}))}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusUnauthorized || !strings.Contains(resp.Header.Get("WWW-Authenticate"), "push") {
+		t.Errorf("without push on b: %s, challenge %q", resp.Status, resp.Header.Get("WWW-Authenticate"))
+	}
+
+	// Bounds: a minimum it cannot reach makes no pack; a bad chunk is a
+	// 400.
+	client := http.DefaultClient
+	got, err = api.Compose(ctx, client, open.http.URL, api.ComposeRequest{Repository: "b", Chunks: want, MinLength: api.MaxComposePack})
+	if err != nil || got.Pack != nil {
+		t.Errorf("minimum out of reach: pack %v, %v", got, err)
+	}
+	bad := append([]api.ComposeChunk(nil), want...)
+	bad[0].Size = format.MaxChunkSize + 1
+	if _, err := api.Compose(ctx, client, open.http.URL, api.ComposeRequest{Repository: "b", Chunks: bad}); err == nil || !strings.Contains(err.Error(), "400") {
+		t.Errorf("a chunk over the size limit: %v", err)
+	}
+}
+
+// TestComposeAfterGC composes b's packs from a's, deletes a's snapshot and
+// collects garbage: the frame lists no longer name a, and a push of the
+// same memory to c is composed from b's packs, which the registry indexed
+// when b's manifests were put.
+func TestComposeAfterGC(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	src := testenv.ImageDir(t, synth.Text, 8<<20, 13)
+	a, tag := reg.repo(t, "a:v1")
+	first, err := transfer.Push(ctx, src, a, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	aTables := snapshotTables(t, a, first.Descriptor)
+	b, tag := reg.repo(t, "b:v1")
+	if res, err := transfer.Push(ctx, src, b, tag, v2Push); err != nil || res.Stats.UploadedBytes != 0 {
+		t.Fatalf("push to b: %v, %+v", err, res)
+	}
+	if err := a.Delete(ctx, first.Descriptor); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := reg.srv.Maintenance().GC(ctx, maintenance.GCOptions{RemoveUntagged: true}); err != nil {
+		t.Fatal(err)
+	}
+	// b's packs are byte for byte a's (the same frames in the same
+	// order), so they stay, linked in b only.
+	for _, tab := range aTables {
+		for _, p := range tab.Packs {
+			data, err := reg.srv.Driver().GetContent(ctx, chunkindex.PackListPath(p.Digest))
+			if err != nil {
+				t.Errorf("pack %s, linked in b, lost its frame list: %v", p.Digest, err)
+				continue
+			}
+			var list struct{ Repositories []string }
+			if err := json.Unmarshal(data, &list); err != nil || !slices.Equal(list.Repositories, []string{"b"}) {
+				t.Errorf("pack %s is listed in %v after a was collected, want [b] (%v)", p.Digest, list.Repositories, err)
+			}
+		}
+	}
+	c, tag := reg.repo(t, "c:v1")
+	res, err := transfer.Push(ctx, src, c, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Stats.UploadedBytes != 0 || res.Stats.ComposedBytes == 0 {
+		t.Errorf("push to c after a was collected: %d bytes uploaded, %d composed", res.Stats.UploadedBytes, res.Stats.ComposedBytes)
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := transfer.Pull(ctx, c, tag, out, transfer.PullOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.SameImage(t, src, out)
+}
