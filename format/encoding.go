@@ -184,3 +184,51 @@ func (c *Codec) Decode(ch Chunk, blob, dst []byte) ([]byte, error) {
 	}
 	return out, nil
 }
+
+// SingleZstdFrame checks that b is exactly one zstd frame: not a
+// skippable frame, and no bytes after the frame's last block (and its
+// checksum). A decoder skips skippable frames and decodes concatenated
+// frames one after the other, so bytes that decode to a chunk may still
+// carry other data; a registry copying frames into another repository's
+// packs (SPEC.md 12.2.1) copies only frames that hold nothing else.
+// klauspost/compress decodes frame headers but does not say where a
+// frame ends, so the block headers are walked here (RFC 8878 3.1.1.2).
+func SingleZstdFrame(b []byte) error {
+	var h zstd.Header
+	if err := h.Decode(b); err != nil {
+		return fmt.Errorf("zstd frame header: %v: %w", err, ErrInvalid)
+	}
+	if h.Skippable {
+		return fmt.Errorf("a skippable zstd frame: %w", ErrInvalid)
+	}
+	pos := h.HeaderSize
+	for {
+		if pos+3 > len(b) {
+			return fmt.Errorf("zstd frame ends inside a block header at %d of %d bytes: %w", pos, len(b), ErrInvalid)
+		}
+		bh := uint32(b[pos]) | uint32(b[pos+1])<<8 | uint32(b[pos+2])<<16
+		last, typ, size := bh&1 == 1, (bh>>1)&3, int(bh>>3)
+		pos += 3
+		switch typ {
+		case 0, 2: // raw, compressed: size bytes of content
+			pos += size
+		case 1: // RLE: one byte, repeated size times
+			pos++
+		default:
+			return fmt.Errorf("zstd block of reserved type at %d: %w", pos-3, ErrInvalid)
+		}
+		if pos > len(b) {
+			return fmt.Errorf("zstd block runs past the frame's %d bytes: %w", len(b), ErrInvalid)
+		}
+		if last {
+			break
+		}
+	}
+	if h.HasCheckSum {
+		pos += 4
+	}
+	if pos != len(b) {
+		return fmt.Errorf("%d bytes after the zstd frame's %d: %w", len(b)-pos, pos, ErrInvalid)
+	}
+	return nil
+}

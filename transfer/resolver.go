@@ -57,14 +57,19 @@ func (r *indexResolver) ResolveChunk(ctx context.Context, c format.Chunk) (forma
 
 // packComposer asks a cryo registry to compose format v2 packs from
 // chunks it holds in repositories the pusher may pull from (SPEC.md
-// 12.2.1), instead of uploading them. After any failure (a registry
-// without the extension, or an error in it) it turns itself off: the push
-// goes on uploading.
+// 12.2.1), instead of uploading them. A failed composition just means the
+// pack is uploaded; on a registry without the extension, or after
+// composeFailures failures in a row, it turns itself off.
 type packComposer struct {
 	repo     *remote.Repository
 	base     string
 	disabled atomic.Bool
+	failures atomic.Int32
 }
+
+// composeFailures is how many compositions in a row may fail before a
+// push stops asking.
+const composeFailures = 3
 
 // composeMinDivisor sets the least share of a pack's bytes (1/2) a
 // composition must cover to be made: a pack split into a composed and an
@@ -85,9 +90,12 @@ func (pc *packComposer) ComposePack(ctx context.Context, chunks []format.Chunk, 
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
-		pc.disabled.Store(true)
+		if errors.Is(err, api.ErrUnsupported) || pc.failures.Add(1) >= composeFailures {
+			pc.disabled.Store(true)
+		}
 		return nil, nil
 	}
+	pc.failures.Store(0)
 	if resp.Pack == nil || resp.Pack.MediaType != format.MediaTypePack {
 		return nil, nil
 	}

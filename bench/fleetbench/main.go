@@ -476,7 +476,7 @@ func runFleet(ctx context.Context, cfg config, nw *network, dir, token, ref stri
 	wall := time.Since(start)
 	for _, d := range ds {
 		r.fromPeers += scrape(d, "cryo_puller_peer_received_bytes_total")
-		r.cpu += cpuTime(d.proc.cmd.Process.Pid)
+		r.cpu += benchutil.CPUTime(d.proc.cmd.Process.Pid)
 	}
 	r.busy = r.cpu.Seconds() / (wall.Seconds() * float64(runtime.NumCPU()))
 	return r, nil
@@ -512,22 +512,6 @@ func randomReads(path string, size int64, every time.Duration, stop <-chan struc
 		out = append(out, float64(time.Since(start).Microseconds())/1000)
 	}
 	return out
-}
-
-// cpuTime is the user and system CPU time process pid used so far.
-func cpuTime(pid int) time.Duration {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	// The fields after the command name, which is in parentheses.
-	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-	if len(f) < 13 {
-		return 0
-	}
-	utime, _ := strconv.ParseInt(f[11], 10, 64)
-	stime, _ := strconv.ParseInt(f[12], 10, 64)
-	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
 }
 
 // scrape sums metric name in the daemon's /metrics.

@@ -283,18 +283,7 @@ func stopAll(regs []*registry) {
 
 // cpuAndPeak reads a process's CPU time and peak RSS from /proc.
 func cpuAndPeak(pid int) (time.Duration, int64) {
-	var cpu time.Duration
-	if data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); err == nil {
-		// Fields after the command name, which is in parentheses.
-		if i := strings.LastIndexByte(string(data), ')'); i > 0 {
-			f := strings.Fields(string(data)[i+2:])
-			if len(f) > 12 {
-				ut, _ := strconv.ParseInt(f[11], 10, 64)
-				st, _ := strconv.ParseInt(f[12], 10, 64)
-				cpu = time.Duration(ut+st) * time.Second / 100 // USER_HZ
-			}
-		}
-	}
+	cpu := benchutil.CPUTime(pid)
 	var peak int64
 	if f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid)); err == nil {
 		sc := bufio.NewScanner(f)

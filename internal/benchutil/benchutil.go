@@ -1,14 +1,18 @@
 // Package benchutil holds what cryo's benchmark programs share: medians and
-// ranges of repeated measurements, a free loopback port, and dropping the
-// page cache so that a "cold" figure is cold.
+// ranges of repeated measurements, a free loopback port, a process's CPU
+// time, and dropping the page cache so that a "cold" figure is cold.
 package benchutil
 
 import (
+	"bytes"
 	"fmt"
 	"net"
 	"os"
 	"sort"
+	"strconv"
+	"strings"
 	"syscall"
+	"time"
 )
 
 // Median returns the median of v (the mean of the middle two for an even
@@ -86,4 +90,25 @@ func DropCaches() error {
 		return fmt.Errorf("drop the page cache (needs root): %w", err)
 	}
 	return nil
+}
+
+// CPUTime is the user and system CPU time process pid has used so far,
+// from /proc/PID/stat; 0 if it cannot be read.
+func CPUTime(pid int) time.Duration {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// The fields after the command name, which is in parentheses.
+	i := bytes.LastIndexByte(data, ')')
+	if i < 0 {
+		return 0
+	}
+	f := strings.Fields(string(data[i+1:]))
+	if len(f) < 13 {
+		return 0
+	}
+	utime, _ := strconv.ParseInt(f[11], 10, 64)
+	stime, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(utime+stime) * time.Second / 100 // USER_HZ
 }

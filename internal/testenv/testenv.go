@@ -180,6 +180,14 @@ func (r *Registry) start(t testing.TB, cryo bool) {
 	t.Fatalf("registry %s did not answer on %s; log:\n%s", r.bin, r.Addr, r.Log())
 }
 
+// PID is the registry process's id (0 when it is not running).
+func (r *Registry) PID() int {
+	if r.cmd == nil || r.cmd.Process == nil {
+		return 0
+	}
+	return r.cmd.Process.Pid
+}
+
 // Stop kills the registry process (as a crash would: SIGKILL).
 func (r *Registry) Stop() {
 	if r.cmd == nil || r.cmd.Process == nil {

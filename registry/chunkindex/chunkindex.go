@@ -43,9 +43,12 @@ type Index struct {
 	codec  *format.Codec
 	opts   Options
 	// mem bounds the bytes of blobs and decoded chunks held by
-	// verifications under way, across all manifest PUTs.
-	mem  *semaphore.Weighted
-	bufs sync.Pool
+	// verifications under way, across all manifest PUTs; composeMem
+	// those of compositions (compose.go), so that compositions never hold
+	// up indexing.
+	mem        *semaphore.Weighted
+	composeMem *semaphore.Weighted
+	bufs       sync.Pool
 }
 
 // Root is where the index lives in the storage driver.
@@ -80,7 +83,8 @@ func New(driver extstore.Driver, ns distribution.Namespace, codec *format.Codec,
 		opts.OnVerify = func(bool) {}
 	}
 	ci := &Index{driver: driver, ns: ns, opts: opts, codec: codec,
-		mem: semaphore.NewWeighted(max(verifyMemory, 2*format.MaxChunkSize))}
+		mem:        semaphore.NewWeighted(max(verifyMemory, 2*format.MaxChunkSize)),
+		composeMem: semaphore.NewWeighted(composeMemory)}
 	ci.bufs.New = func() any { return new([]byte) }
 	return ci
 }

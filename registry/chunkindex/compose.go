@@ -86,16 +86,24 @@ type listedFrame struct {
 	Length   int64         `json:"length"`
 }
 
-// maxListedFrames bounds a pack list (about 2 MB of JSON): a pack with
-// more frames is not listed.
+// maxListedFrames bounds a pack list (about 2 MB of JSON): frames past
+// it are not listed.
 const maxListedFrames = 16384
 
-// composeSources bounds the packs one composition reads frame lists of;
-// composeCandidates the frames of one chunk it tries before it leaves the
-// chunk out.
+// composeMemory bounds the bytes all compositions hold at once: at least
+// one largest (a pack of api.MaxComposePack, a frame and a chunk of
+// format.MaxChunkSize each).
+const composeMemory = 64 << 20
+
+// composeSources bounds the packs whose frame lists give a composition
+// frames; composeCandidates the frames of one chunk it tries before it
+// leaves the chunk out.
 const (
 	composeSources    = 16
 	composeCandidates = 3
+	// composeEntries bounds the anchor entries of one chunk a
+	// composition reads.
+	composeEntries = 32
 )
 
 // indexFrames records v2 table t pushed to repo (r): for each pack it
@@ -112,18 +120,20 @@ func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Re
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(indexParallelism)
+	linked := map[digest.Digest]bool{}
 	for _, p := range t.Packs {
 		desc, err := r.Blobs(ctx).Stat(ctx, p.Digest)
 		if err != nil || desc.Size != p.Size {
 			continue
 		}
+		linked[p.Digest] = true
 		g.Go(func() error { return ci.mergePackList(gctx, repo, p, byPack[p.Digest]) })
 	}
 	type key struct{ chunk, pack digest.Digest }
 	seen := map[key]bool{}
 	for _, c := range t.Chunks {
 		k := key{c.Digest, c.Blob}
-		if !c.Packed() || !(isAnchor(c.Digest) || c.PackOffset == 0) || seen[k] {
+		if !c.Packed() || !linked[c.Blob] || !(isAnchor(c.Digest) || c.PackOffset == 0) || seen[k] {
 			continue
 		}
 		seen[k] = true
@@ -146,16 +156,16 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 			have[f.Offset] = true
 		}
 		for _, f := range frames {
-			if !have[f.Offset] {
+			if !have[f.Offset] && len(list.Frames) < maxListedFrames {
 				have[f.Offset] = true
 				list.Frames = append(list.Frames, f)
 				changed = true
 			}
 		}
 	} else {
-		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames}
+		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames[:min(len(frames), maxListedFrames)]}
 	}
-	if !changed || len(list.Frames) > maxListedFrames {
+	if !changed {
 		return nil
 	}
 	data, _ := json.Marshal(list)
@@ -180,8 +190,12 @@ func (ci *Index) indexAnchor(ctx context.Context, repo string, c format.Chunk) e
 				// frames of packs only.
 				return nil
 			}
-			if old.Frame && old.PackOffset == e.PackOffset && old.PackLength == e.PackLength && old.Size == e.Size {
-				e.Repositories = old.Repositories
+			if old.Frame {
+				// An anchor says which repositories link its pack:
+				// compositions take the frames from the pack's list, so
+				// the first frame recorded stays, and no table can take
+				// the other repositories out.
+				e = old
 			}
 		}
 	}
@@ -259,13 +273,22 @@ func (ci *Index) Compose(ctx context.Context, repo string, chunks []api.ComposeC
 	if len(sources) == 0 {
 		return empty, nil
 	}
-	// The pack being built, one frame and its decoded chunk.
-	weight := int64(api.MaxComposePack) + 2*largest
-	if err := ci.mem.Acquire(ctx, weight); err != nil {
+	// The pack being built (at most the chunks' sizes), one frame and its
+	// decoded chunk.
+	var total int64
+	for _, c := range chunks {
+		if sources[c.Digest] != nil {
+			total += c.Size
+		}
+	}
+	packCap := min(total, api.MaxComposePack)
+	weight := packCap + 2*largest
+	if err := ci.composeMem.Acquire(ctx, weight); err != nil {
 		return nil, err
 	}
-	defer ci.mem.Release(weight)
-	var pack, frame, decoded []byte
+	defer ci.composeMem.Release(weight)
+	pack := make([]byte, 0, packCap)
+	var frame, decoded []byte
 	resp := &api.ComposeResponse{Frames: []api.ComposedFrame{}}
 	done := map[digest.Digest]bool{}
 	for _, want := range chunks {
@@ -304,12 +327,12 @@ var errBadRequest = errors.New("invalid composition request")
 // IsBadRequest reports whether err is Compose refusing its request.
 func IsBadRequest(err error) bool { return errors.Is(err, errBadRequest) }
 
-// storeBlob stores data as desc in r, unless r already links it.
+// storeBlob stores data as desc in r. It writes it even if r links it
+// already, so that the link is renewed and the garbage-collection grace
+// period (SPEC.md 12.5) keeps the pack until the pusher's manifest names
+// it.
 func storeBlob(ctx context.Context, r distribution.Repository, desc ocispec.Descriptor, data []byte) error {
 	blobs := r.Blobs(ctx)
-	if _, err := blobs.Stat(ctx, desc.Digest); err == nil {
-		return nil
-	}
 	w, err := blobs.Create(ctx)
 	if err != nil {
 		return err
@@ -334,8 +357,8 @@ type frameSource struct {
 	visible func(repo string) bool
 	readers map[string]io.ReadSeekCloser // by repository and blob
 	// bad holds the packs whose lists named a frame that does not hold
-	// its chunk; firstBad describes the first, for one log line per
-	// composition.
+	// its chunk; firstBad describes the first such frame, for one log
+	// line per composition.
 	bad      map[digest.Digest]bool
 	firstBad []any
 }
@@ -345,7 +368,7 @@ func (s *frameSource) close() {
 		r.Close()
 	}
 	if len(s.bad) > 0 {
-		s.ci.opts.Logger.Warn("chunk index: pack lists name frames that do not hold their chunks; lists dropped (the first frame is named)",
+		s.ci.opts.Logger.Warn("chunk index: pack lists name frames that do not hold their chunks; frames dropped from the lists (the first is named)",
 			append([]any{"packs", len(s.bad)}, s.firstBad...)...)
 	}
 }
@@ -359,14 +382,11 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 	for _, c := range chunks {
 		wanted[c.Digest] = c
 	}
-	type packRef struct {
-		repo string
-		pack digest.Digest
-	}
-	var packs []packRef
+	out := map[digest.Digest][]source{}
+	packs := 0
 	seen := map[digest.Digest]bool{}
 	for i, want := range chunks {
-		if !(isAnchor(want.Digest) || i == 0) || len(packs) == composeSources {
+		if !(isAnchor(want.Digest) || i == 0) || packs == composeSources {
 			continue
 		}
 		entries, err := s.ci.driver.List(ctx, chunkDir(want.Digest))
@@ -376,7 +396,7 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 		if err != nil {
 			return nil, err
 		}
-		for _, p := range entries {
+		for _, p := range entries[:min(len(entries), composeEntries)] {
 			data, err := s.ci.driver.GetContent(ctx, p)
 			if err != nil {
 				continue
@@ -385,52 +405,77 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 			if json.Unmarshal(data, &e) != nil || !e.Frame || e.Digest.Validate() != nil || seen[e.Digest] {
 				continue
 			}
-			i := slices.IndexFunc(e.Repositories, s.visible)
-			if i < 0 {
-				continue
-			}
 			seen[e.Digest] = true
-			packs = append(packs, packRef{e.Repositories[i], e.Digest})
-			if len(packs) == composeSources {
-				break
+			n, err := s.addPack(e.Digest, e.Repositories, wanted, out)
+			if err != nil {
+				return nil, err
 			}
-		}
-	}
-	out := map[digest.Digest][]source{}
-	for _, p := range packs {
-		data, err := s.ci.driver.GetContent(ctx, PackListPath(p.pack))
-		if err != nil {
-			continue
-		}
-		var list packList
-		if json.Unmarshal(data, &list) != nil {
-			continue
-		}
-		// The repository chosen links the pack (checked when a frame is
-		// read).
-		for _, f := range list.Frames {
-			want, ok := wanted[f.Digest]
-			if !ok || len(out[f.Digest]) == composeCandidates {
-				continue
-			}
-			if c, ok := frameOf(p.pack, list.Size, f, want); ok {
-				out[f.Digest] = append(out[f.Digest], source{repo: p.repo, c: c})
+			if n > 0 {
+				if packs++; packs == composeSources {
+					break
+				}
 			}
 		}
 	}
 	return out, nil
 }
 
-// copyable returns the first of sources whose frame, read into *frame,
-// decodes (into *decoded) to its chunk. A pack whose list names a frame
-// that does not hold its chunk loses its list (a blob's content never
-// changes; the next push naming the pack lists it again).
-func (s *frameSource) copyable(sources []source, frame, decoded *[]byte) (format.Chunk, bool, error) {
-	for _, src := range sources {
-		if s.bad[src.c.Blob] {
+// addPack adds to out the frames of chunks wanted that pack's list names,
+// from the first of repos the caller may pull from that still links the
+// pack, and returns how many it added.
+func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[digest.Digest]api.ComposeChunk, out map[digest.Digest][]source) (int, error) {
+	data, err := s.ci.driver.GetContent(s.ctx, PackListPath(pack))
+	if err != nil {
+		return 0, nil
+	}
+	var list packList
+	if json.Unmarshal(data, &list) != nil {
+		return 0, nil
+	}
+	repo := ""
+	for _, r := range repos {
+		if !s.visible(r) {
 			continue
 		}
+		live, err := s.ci.linked(s.ctx, api.ChunkBlob{Repository: r, Digest: pack})
+		if err != nil {
+			return 0, err
+		}
+		if live {
+			repo = r
+			break
+		}
+	}
+	if repo == "" {
+		return 0, nil
+	}
+	n := 0
+	for _, f := range list.Frames {
+		want, ok := wanted[f.Digest]
+		if !ok || len(out[f.Digest]) == composeCandidates {
+			continue
+		}
+		if c, ok := frameOf(pack, list.Size, f, want); ok {
+			out[f.Digest] = append(out[f.Digest], source{repo: repo, c: c})
+			n++
+		}
+	}
+	return n, nil
+}
+
+// copyable returns the first of sources whose frame, read into *frame, is
+// a single frame (zstd) that decodes (into *decoded) to its chunk. A frame
+// that does not hold its chunk is dropped from its pack's list (a blob's
+// content never changes; a push naming the frame lists it again).
+func (s *frameSource) copyable(sources []source, frame, decoded *[]byte) (format.Chunk, bool, error) {
+	for _, src := range sources {
 		err := s.read(src.repo, src.c, frame)
+		if err == nil && src.c.Encoding == format.EncodingZstd {
+			// Only a frame that holds nothing but the chunk is copied.
+			if err = format.SingleZstdFrame(*frame); err != nil {
+				err = fmt.Errorf("%v: %w", err, format.ErrDigestMismatch)
+			}
+		}
 		if err == nil {
 			*decoded, err = s.ci.codec.Decode(src.c, *frame, *decoded)
 		}
@@ -447,7 +492,7 @@ func (s *frameSource) copyable(sources []source, frame, decoded *[]byte) (format
 				s.firstBad = []any{"repository", src.repo, "chunk", src.c.Digest, "pack", src.c.Blob, "offset", src.c.PackOffset, "err", err}
 			}
 			s.bad[src.c.Blob] = true
-			_ = s.ci.driver.Delete(s.ctx, PackListPath(src.c.Blob))
+			s.dropFrame(src.c)
 			continue
 		}
 		if !errors.Is(err, distribution.ErrBlobUnknown) {
@@ -455,6 +500,23 @@ func (s *frameSource) copyable(sources []source, frame, decoded *[]byte) (format
 		}
 	}
 	return format.Chunk{}, false, nil
+}
+
+// dropFrame takes chunk c's frame out of its pack's list.
+func (s *frameSource) dropFrame(c format.Chunk) {
+	lp := PackListPath(c.Blob)
+	data, err := s.ci.driver.GetContent(s.ctx, lp)
+	if err != nil {
+		return
+	}
+	var list packList
+	if json.Unmarshal(data, &list) != nil {
+		_ = s.ci.driver.Delete(s.ctx, lp)
+		return
+	}
+	list.Frames = slices.DeleteFunc(list.Frames, func(f listedFrame) bool { return f.Offset == c.PackOffset && f.Digest == c.Digest })
+	data, _ = json.Marshal(list)
+	_ = s.ci.driver.PutContent(s.ctx, lp, data)
 }
 
 // read reads chunk c's frame (c.BlobSize bytes at c.PackOffset of blob
