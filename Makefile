@@ -64,6 +64,7 @@ fuzz:
 	$(GO) test ./format -run '^$$' -fuzz '^FuzzParseTable$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./format -run '^$$' -fuzz '^FuzzParseIndex$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./format -run '^$$' -fuzz '^FuzzParseTableV2$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./format -run '^$$' -fuzz '^FuzzCheckKeys$$' -fuzztime $(FUZZTIME)
 
 # helm lint + helm template of both charts with every ci/*-values.yaml set,
 # decoded strictly against the Kubernetes API types (own module: k8s.io/api

@@ -1,7 +1,6 @@
 package format
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -403,16 +402,11 @@ func canonicalDecimal(s string) bool {
 	return true
 }
 
+// strictUnmarshal decodes the JSON document data into v after CheckKeys;
+// json.Unmarshal refuses data after the value, as CheckKeys does.
 func strictUnmarshal(data []byte, v any) error {
 	if err := CheckKeys(data); err != nil {
 		return err
 	}
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(v); err != nil {
-		return err
-	}
-	if dec.More() {
-		return fmt.Errorf("data after the JSON object")
-	}
-	return nil
+	return json.Unmarshal(data, v)
 }
