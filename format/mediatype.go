@@ -25,8 +25,11 @@ const (
 	ArtifactTypeSnapshotV2 = "application/vnd.cryo.snapshot.v2"
 	// ArtifactTypeFileV2 is the artifactType of a v2 file part's manifest.
 	ArtifactTypeFileV2 = "application/vnd.cryo.file.v2"
-	// MediaTypeChunkTableV2 is the media type of a v2 chunk table.
-	MediaTypeChunkTableV2 = "application/vnd.cryo.chunktable.v2+json"
+	// MediaTypeChunkTableV2 is the media type of a v2 chunk table, as
+	// JSON; MediaTypeChunkTableV2Zstd of one stored as a zstd frame of that
+	// JSON, which cryo writes (SPEC.md 15.3).
+	MediaTypeChunkTableV2     = "application/vnd.cryo.chunktable.v2+json"
+	MediaTypeChunkTableV2Zstd = "application/vnd.cryo.chunktable.v2+json+zstd"
 	// MediaTypePack is the media type of a pack: consecutive chunk
 	// frames, each decodable on its own.
 	MediaTypePack = "application/vnd.cryo.pack.v2"
@@ -75,9 +78,18 @@ func (v Version) fileArtifactType() string {
 
 func (v Version) tableMediaType() string {
 	if v == V2 {
-		return MediaTypeChunkTableV2
+		return MediaTypeChunkTableV2Zstd
 	}
 	return MediaTypeChunkTable
+}
+
+// IsTableMediaType reports whether t is the media type of a chunk table of
+// version v (a v2 table compressed or not).
+func IsTableMediaType(v Version, t string) bool {
+	if v == V2 {
+		return t == MediaTypeChunkTableV2 || t == MediaTypeChunkTableV2Zstd
+	}
+	return t == MediaTypeChunkTable
 }
 
 // IsSnapshotArtifactType reports whether t is the artifactType of a

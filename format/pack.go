@@ -721,6 +721,9 @@ func (p *packer) pushParts(ctx context.Context, f fileEntry, size int64, fileDig
 		if err != nil {
 			return nil, fmt.Errorf("internal error: %w", err)
 		}
+		if v == V2 {
+			data = p.codec.CompressTable(data)
+		}
 		tdesc, err := p.pushBytes(ctx, v.tableMediaType(), "", data)
 		if err != nil {
 			return nil, fmt.Errorf("push chunk table of %s: %w", f.path, err)

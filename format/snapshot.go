@@ -269,12 +269,15 @@ func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Par
 	if m.SchemaVersion != 2 || m.MediaType != ocispec.MediaTypeImageManifest || m.ArtifactType != v.fileArtifactType() {
 		return nil, bad("schemaVersion %d mediaType %q artifactType %q", m.SchemaVersion, m.MediaType, m.ArtifactType)
 	}
-	if m.Config.MediaType != v.tableMediaType() {
+	if !IsTableMediaType(v, m.Config.MediaType) {
 		return nil, bad("config mediaType %q, want %q", m.Config.MediaType, v.tableMediaType())
 	}
 	tdata, err := FetchVerified(ctx, src, m.Config, MaxTableSize)
 	if err != nil {
 		return nil, fmt.Errorf("fetch chunk table of %q part %d: %w", f.Path, part, err)
+	}
+	if tdata, err = DecodeTableBlob(m.Config.MediaType, tdata); err != nil {
+		return nil, fmt.Errorf("chunk table of %q part %d: %w", f.Path, part, err)
 	}
 	parse := ParseTable
 	if v == V2 {

@@ -2,7 +2,8 @@
 // measures two things and prints them as Markdown tables ready for
 // docs/benchmarks.md (progress goes to stderr). Part 1, pack throughput: for
 // synthetic checkpoint image dirs of random, text-like and half-zero memory
-// (internal/synth), it times format.Pack into a fresh OCI layout against the
+// (internal/synth), it times format.Pack into a fresh OCI layout, format v1
+// and v2, against the
 // naive path that `oras push` / `oras cp --oci-layout` at best amounts to
 // (read each file, sha256 it and copy it into a blob file in one pass), with
 // the reps of both interleaved and the page cache warm, and reports MB/s,
@@ -180,11 +181,12 @@ func run(ctx context.Context, cfg config, scratch string) error {
 // --- Part 1: pack throughput ---
 
 type packRow struct {
-	kind          synth.Kind
-	logical       int64
-	cryo, naive   []float64 // MB/s of each rep
-	stored        int64
-	zero, raw, zs int
+	kind                synth.Kind
+	logical             int64
+	cryo, cryoV2, naive []float64 // MB/s of each rep
+	stored, storedV2    int64
+	zero, raw, zs       int
+	chunksV2            int
 }
 
 func packBench(ctx context.Context, cfg config, scratch string) error {
@@ -197,17 +199,18 @@ func packBench(ctx context.Context, cfg config, scratch string) error {
 		rows = append(rows, row)
 	}
 	fmt.Printf("\n### Pack throughput, %s pages.img, %d reps\n\n", progress.Bytes(cfg.size), cfg.reps)
-	fmt.Println("| kind | logical | cryo pack MB/s | naive read+sha256+copy MB/s | pack / naive | stored | stored / logical | chunks zero / raw / zstd |")
-	fmt.Println("|---|--:|--:|--:|--:|--:|--:|--:|")
+	fmt.Println("| kind | logical | cryo pack v1 MB/s | cryo pack v2 MB/s | naive read+sha256+copy MB/s | v1 / naive | v2 / naive | stored v1 / v2 | v1 chunks zero / raw / zstd | v2 chunks |")
+	fmt.Println("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
 	for _, r := range rows {
-		cm, nm := benchutil.Median(r.cryo), benchutil.Median(r.naive)
-		fmt.Printf("| %s | %s | %s | %s | %.2f | %s | %.1f%% | %d / %d / %d |\n",
-			r.kind, progress.Bytes(r.logical), benchutil.Spread(r.cryo, "%.0f"), benchutil.Spread(r.naive, "%.0f"), cm/nm,
-			progress.Bytes(r.stored), 100*float64(r.stored)/float64(r.logical), r.zero, r.raw, r.zs)
+		cm, c2, nm := benchutil.Median(r.cryo), benchutil.Median(r.cryoV2), benchutil.Median(r.naive)
+		fmt.Printf("| %s | %s | %s | %s | %s | %.2f | %.2f | %s / %s | %d / %d / %d | %d |\n",
+			r.kind, progress.Bytes(r.logical), benchutil.Spread(r.cryo, "%.0f"), benchutil.Spread(r.cryoV2, "%.0f"), benchutil.Spread(r.naive, "%.0f"), cm/nm, c2/nm,
+			progress.Bytes(r.stored), progress.Bytes(r.storedV2), r.zero, r.raw, r.zs, r.chunksV2)
 	}
 	fmt.Println()
 	fmt.Println("MB/s is 10^6 bytes of image dir per second of wall time: median of the reps, min–max in parentheses.",
-		"cryo pack is `format.Pack` (page-cdc, 1 MiB mean, zstd, GOMAXPROCS workers) into a fresh OCI layout;",
+		"cryo pack is `format.Pack` into a fresh OCI layout (v1: page-cdc, 1 MiB mean, a blob per chunk, zstd at the fastest level;",
+		"v2: 64 KiB mean, 4 MiB packs, zstd at the default level; GOMAXPROCS workers);",
 		"naive reads each file once, hashing it with sha256 while `io.Copy` writes it to a blob file in a fresh dir.",
 		"Reps alternate between the two, with the image in the page cache, and neither path fsyncs.")
 	return nil
@@ -228,37 +231,45 @@ func packKind(ctx context.Context, cfg config, scratch string, kind synth.Kind) 
 	row.logical = logical
 	out := filepath.Join(scratch, "out")
 	for rep := 1; rep <= cfg.reps; rep++ {
-		// cryo
-		syscall.Sync()
-		cpu0, start := cpuTime(), time.Now()
-		store, err := layout.New(out)
-		if err != nil {
-			return row, err
+		// cryo, v1 then v2
+		for _, v := range []format.Version{format.V1, format.V2} {
+			syscall.Sync()
+			cpu0, start := cpuTime(), time.Now()
+			store, err := layout.New(out)
+			if err != nil {
+				return row, err
+			}
+			_, stats, err := format.Pack(ctx, img, store, format.PackOptions{Format: v})
+			if err != nil {
+				return row, err
+			}
+			d, cpu := time.Since(start), cpuTime()-cpu0
+			if err := os.RemoveAll(out); err != nil {
+				return row, err
+			}
+			if stats.LogicalBytes != logical {
+				return row, fmt.Errorf("pack read %d bytes, image dir holds %d", stats.LogicalBytes, logical)
+			}
+			if v == format.V2 {
+				row.cryoV2 = append(row.cryoV2, mbps(logical, d))
+				row.storedV2 = stats.StoredBytes
+				row.chunksV2 = stats.Chunks[format.EncodingZero] + stats.Chunks[format.EncodingRaw] + stats.Chunks[format.EncodingZstd]
+			} else {
+				row.cryo = append(row.cryo, mbps(logical, d))
+				row.stored = stats.StoredBytes
+				row.zero, row.raw, row.zs = stats.Chunks[format.EncodingZero], stats.Chunks[format.EncodingRaw], stats.Chunks[format.EncodingZstd]
+			}
+			logf("pack %s rep %d/%d: cryo %s %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, v, d.Seconds(), mbps(logical, d), cpu.Seconds())
 		}
-		_, stats, err := format.Pack(ctx, img, store, format.PackOptions{})
-		if err != nil {
-			return row, err
-		}
-		d, cpu := time.Since(start), cpuTime()-cpu0
-		if err := os.RemoveAll(out); err != nil {
-			return row, err
-		}
-		if stats.LogicalBytes != logical {
-			return row, fmt.Errorf("pack read %d bytes, image dir holds %d", stats.LogicalBytes, logical)
-		}
-		row.cryo = append(row.cryo, mbps(logical, d))
-		row.stored = stats.StoredBytes
-		row.zero, row.raw, row.zs = stats.Chunks[format.EncodingZero], stats.Chunks[format.EncodingRaw], stats.Chunks[format.EncodingZstd]
-		logf("pack %s rep %d/%d: cryo  %6.2fs %7.0f MB/s (CPU %.2fs)", kind, rep, cfg.reps, d.Seconds(), mbps(logical, d), cpu.Seconds())
 
 		// naive
 		syscall.Sync()
-		cpu0, start = cpuTime(), time.Now()
+		cpu0, start := cpuTime(), time.Now()
 		n, err := naiveCopy(ctx, img, out)
 		if err != nil {
 			return row, err
 		}
-		d, cpu = time.Since(start), cpuTime()-cpu0
+		d, cpu := time.Since(start), cpuTime()-cpu0
 		if err := os.RemoveAll(out); err != nil {
 			return row, err
 		}

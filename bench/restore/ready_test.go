@@ -23,7 +23,10 @@ import (
 	"github.com/cryo-oci/cryo/transfer"
 )
 
-var readyGiB = flag.String("ready-gib", "1,8", "BenchmarkReady: snapshot sizes in GiB")
+var (
+	readyGiB     = flag.String("ready-gib", "1,8", "BenchmarkReady: snapshot sizes in GiB")
+	readyFormats = flag.String("ready-formats", "v1,v2", "BenchmarkReady: formats")
+)
 
 // BenchmarkReady measures how long `cryo mount` takes until its mount is
 // ready (the index and every chunk table loaded, FUSE up), against the
@@ -47,7 +50,7 @@ func BenchmarkReady(b *testing.B) {
 	fmt.Printf("| snapshot | format | parts | chunks | table bytes | push | %s |\n|---|---|--:|--:|--:|--:|%s\n",
 		strings.Join(linkNames(links, "mount ready, "), " | "), strings.Repeat("--:|", len(links)))
 	for _, gib := range sizes {
-		for _, f := range []string{"v1", "v2"} {
+		for _, f := range strings.Split(*readyFormats, ",") {
 			tag := fmt.Sprintf("%dg-%s", gib, f)
 			start := time.Now()
 			st := pushStreamed(b, reg.Addr+"/ready:"+tag, gib<<30, f)

@@ -126,7 +126,7 @@ func (ci *Index) IndexManifest(ctx context.Context, repo string, body []byte) er
 	if err := json.Unmarshal(body, &m); err != nil {
 		return nil
 	}
-	v2 := m.ArtifactType == format.ArtifactTypeFileV2 && m.Config.MediaType == format.MediaTypeChunkTableV2
+	v2 := m.ArtifactType == format.ArtifactTypeFileV2 && format.IsTableMediaType(format.V2, m.Config.MediaType)
 	if !v2 && (m.ArtifactType != format.ArtifactTypeFile || m.Config.MediaType != format.MediaTypeChunkTable) {
 		return nil
 	}
@@ -152,7 +152,11 @@ func (ci *Index) IndexManifest(ctx context.Context, repo string, body []byte) er
 	if v2 {
 		parse = format.ParseTableV2
 	}
-	t, err := parse(data)
+	tdata, err := format.DecodeTableBlob(m.Config.MediaType, data)
+	var t *format.Table
+	if err == nil {
+		t, err = parse(tdata)
+	}
 	ci.bufs.Put(bp)
 	if err != nil {
 		return err
