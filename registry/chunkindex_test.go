@@ -111,7 +111,13 @@ func putFileManifest(t *testing.T, reg *testRegistry, repo string, chunks []file
 	if configSize != 0 {
 		config.Size = configSize
 	}
-	m := ocispec.Manifest{MediaType: ocispec.MediaTypeImageManifest, ArtifactType: format.ArtifactTypeFile, Config: config, Layers: layers}
+	return putManifest(t, reg, repo, ocispec.Manifest{MediaType: ocispec.MediaTypeImageManifest, ArtifactType: format.ArtifactTypeFile, Config: config, Layers: layers})
+}
+
+// putManifest PUTs m (schema version 2) to repo by its digest, as any OCI
+// client could, and returns the status.
+func putManifest(t *testing.T, reg *testRegistry, repo string, m ocispec.Manifest) int {
+	t.Helper()
 	m.SchemaVersion = 2
 	body, _ := json.Marshal(m)
 	req, _ := http.NewRequest(http.MethodPut, reg.http.URL+"/v2/"+repo+"/manifests/"+digest.FromBytes(body).String(), bytes.NewReader(body))

@@ -24,6 +24,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/content/memory"
+	"oras.land/oras-go/v2/registry/remote"
 )
 
 var v2Push = transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}
@@ -102,11 +103,7 @@ func TestComposeDedupsAcrossRepositories(t *testing.T) {
 		t.Errorf("same memory in another repository: %d bytes uploaded, %d composed; want 0 and %d", res.Stats.UploadedBytes, res.Stats.ComposedBytes, first.Stats.StoredBytes)
 	}
 	packsHoldOnlyTheirFrames(t, snapshotTables(t, b, res.Descriptor))
-	out := filepath.Join(t.TempDir(), "out")
-	if _, err := transfer.Pull(ctx, b, tag, out, transfer.PullOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	testenv.SameImage(t, src, out)
+	pullsBack(t, b, tag, src)
 
 	// A second snapshot of the memory, 10% of it rewritten, in a third
 	// repository: the unchanged chunks are composed, the others uploaded.
@@ -122,11 +119,17 @@ func TestComposeDedupsAcrossRepositories(t *testing.T) {
 	}
 	t.Logf("10%% changed: %d bytes composed in %d packs, %d uploaded, %d stored", res.Stats.ComposedBytes, res.Stats.PacksComposed, res.Stats.UploadedBytes, res.Stats.StoredBytes)
 	packsHoldOnlyTheirFrames(t, snapshotTables(t, c, res.Descriptor))
-	out = filepath.Join(t.TempDir(), "out2")
-	if _, err := transfer.Pull(ctx, c, tag, out, transfer.PullOptions{}); err != nil {
+	pullsBack(t, c, tag, changed)
+}
+
+// pullsBack pulls tag of repo and fails t unless it is the image dir src.
+func pullsBack(t *testing.T, repo *remote.Repository, tag, src string) {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := transfer.Pull(context.Background(), repo, tag, out, transfer.PullOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	testenv.SameImage(t, changed, out)
+	testenv.SameImage(t, src, out)
 }
 
 // mutateImage writes to dst the image dir src with frac of pages.img's
@@ -195,11 +198,7 @@ func TestComposeRefusesLyingFrames(t *testing.T) {
 	if res.Stats.ComposedBytes != 0 || res.Stats.UploadedBytes == 0 {
 		t.Errorf("honest push: %d bytes composed from the lies, %d uploaded", res.Stats.ComposedBytes, res.Stats.UploadedBytes)
 	}
-	out := filepath.Join(t.TempDir(), "out")
-	if _, err := transfer.Pull(ctx, victim, tag, out, transfer.PullOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	testenv.SameImage(t, src, out)
+	pullsBack(t, victim, tag, src)
 	dropped := 0
 	for _, p := range lies {
 		dropped += before[p] - listedFrames(t, reg, p)
@@ -275,17 +274,8 @@ func putLyingV2Manifest(t *testing.T, reg *testRegistry, repo string, tab *forma
 	if len(m.Layers) == 0 {
 		m.Layers = []ocispec.Descriptor{ocispec.DescriptorEmptyJSON}
 	}
-	m.SchemaVersion = 2
-	body, _ := json.Marshal(m)
-	req, _ := http.NewRequest(http.MethodPut, reg.http.URL+"/v2/"+repo+"/manifests/"+digest.FromBytes(body).String(), bytes.NewReader(body))
-	req.Header.Set("Content-Type", ocispec.MediaTypeImageManifest)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusCreated {
-		t.Fatalf("lying manifest PUT: %s", resp.Status)
+	if code := putManifest(t, reg, repo, m); code != http.StatusCreated {
+		t.Fatalf("lying manifest PUT: %d", code)
 	}
 	return lists
 }
@@ -336,12 +326,7 @@ func TestComposeChecksAccess(t *testing.T) {
 	}
 
 	ti := newTokenIssuer(t)
-	cfg, err := DefaultConfig(root, "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ti.configure(cfg)
-	reg := startRegistryWith(t, cfg)
+	reg := ti.startRegistry(t, root)
 	compose := func(grants map[string][]string) (*api.ComposeResponse, error) {
 		client := &http.Client{Transport: bearer(ti.tokenFor(t, grants))}
 		return api.Compose(ctx, client, reg.http.URL, api.ComposeRequest{Repository: "b", Chunks: want})
@@ -435,9 +420,5 @@ func TestComposeAfterGC(t *testing.T) {
 	if res.Stats.UploadedBytes != 0 || res.Stats.ComposedBytes == 0 {
 		t.Errorf("push to c after a was collected: %d bytes uploaded, %d composed", res.Stats.UploadedBytes, res.Stats.ComposedBytes)
 	}
-	out := filepath.Join(t.TempDir(), "out")
-	if _, err := transfer.Pull(ctx, c, tag, out, transfer.PullOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	testenv.SameImage(t, src, out)
+	pullsBack(t, c, tag, src)
 }

@@ -59,15 +59,7 @@ func (s *Server) handleChunkBatch(w http.ResponseWriter, r *http.Request) {
 // reach the registry. Each repository's pull access is checked once, the
 // first time an entry names it, before anything in it is looked at.
 func (s *Server) answerLookup(w http.ResponseWriter, r *http.Request, digests []digest.Digest, single bool) {
-	canPull := map[string]bool{}
-	visible := func(repo string) bool {
-		ok, seen := canPull[repo]
-		if !seen {
-			ok = s.allowed(r, repo)
-			canPull[repo] = ok
-		}
-		return ok
-	}
+	visible := s.canPull(r)
 	resp := api.LookupResponse{Chunks: map[digest.Digest][]api.ChunkBlob{}}
 	for _, d := range digests {
 		blobs, err := s.chunks.Lookup(r.Context(), d, visible)
@@ -88,6 +80,24 @@ func (s *Server) answerLookup(w http.ResponseWriter, r *http.Request, digests []
 	}
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(resp)
+}
+
+// canPull returns whether the request's credentials, already allowed to
+// reach the registry, may pull from a repository: each repository is asked
+// once, the first time, and those in known are taken as allowed.
+func (s *Server) canPull(r *http.Request, known ...string) func(repo string) bool {
+	answers := map[string]bool{}
+	for _, repo := range known {
+		answers[repo] = true
+	}
+	return func(repo string) bool {
+		ok, seen := answers[repo]
+		if !seen {
+			ok = s.allowed(r, repo)
+			answers[repo] = ok
+		}
+		return ok
+	}
 }
 
 // allowed reports whether the request's credentials, already allowed to
@@ -135,16 +145,7 @@ func (s *Server) handleCompose(w http.ResponseWriter, r *http.Request) {
 	if !s.authorize(w, r, req.Repository, "pull", "push") {
 		return
 	}
-	canPull := map[string]bool{req.Repository: true}
-	visible := func(repo string) bool {
-		ok, seen := canPull[repo]
-		if !seen {
-			ok = s.allowed(r, repo)
-			canPull[repo] = ok
-		}
-		return ok
-	}
-	resp, err := s.chunks.Compose(r.Context(), req.Repository, req.Chunks, req.MinLength, visible)
+	resp, err := s.chunks.Compose(r.Context(), req.Repository, req.Chunks, req.MinLength, s.canPull(r, req.Repository))
 	if chunkindex.IsBadRequest(err) {
 		writeRegistryError(w, http.StatusBadRequest, "DIGEST_INVALID", err.Error())
 		return

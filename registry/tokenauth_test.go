@@ -58,6 +58,17 @@ func (ti *tokenIssuer) configure(cfg *configuration.Configuration) {
 		"realm": "https://auth.example/token", "service": "cryo-test", "issuer": "cryo-test-issuer", "rootcertbundle": ti.certBundle}}
 }
 
+// startRegistry serves a registry on root with token auth trusting ti.
+func (ti *tokenIssuer) startRegistry(t *testing.T, root string) *testRegistry {
+	t.Helper()
+	cfg, err := DefaultConfig(root, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ti.configure(cfg)
+	return startRegistryWith(t, cfg)
+}
+
 // token returns a bearer token granting pull on the repositories named.
 func (ti *tokenIssuer) token(t *testing.T, pull ...string) string {
 	t.Helper()
@@ -130,12 +141,7 @@ func TestTokenAuthLimitsExtensions(t *testing.T) {
 	}
 
 	ti := newTokenIssuer(t)
-	cfg, err := DefaultConfig(root, "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ti.configure(cfg)
-	reg := startRegistryWith(t, cfg)
+	reg := ti.startRegistry(t, root)
 	client := &http.Client{Transport: bearer(ti.token(t, "public"))}
 
 	found, err := api.Lookup(context.Background(), client, reg.http.URL, []digest.Digest{d})
