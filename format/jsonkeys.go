@@ -49,10 +49,10 @@ var knownList = []string{
 //
 // The keys are found by a scanner of its own (keyScanner): walking the
 // document with encoding/json's Token allocates per token and took half
-// the time a mount spends loading v2 chunk tables. The document is also
-// decoded by encoding/json, which checks its syntax; the scanner only
-// has to be right about keys in valid JSON and fail on what it does not
-// understand.
+// the time a mount spends loading v2 chunk tables. CheckKeys does not
+// check the JSON syntax: callers decode the document with encoding/json
+// afterwards, which does. The scanner only has to be right about keys in
+// valid JSON, and fails (never panics) on what it does not understand.
 func CheckKeys(data []byte) error {
 	if !utf8.Valid(data) {
 		return fmt.Errorf("not UTF-8")

@@ -196,10 +196,11 @@ func (c *Codec) CompressTable(data []byte) []byte {
 
 // DecodeTableBlob returns the JSON of a chunk table stored as mediaType:
 // data itself, or, for MediaTypeChunkTableV2Zstd, data decompressed. A
-// compressed table must be exactly one zstd frame (SingleZstdFrame) that
-// decodes to at most MaxTableSize bytes: a bomb is refused before it is
-// decoded when its header says its size, and stopped at the limit when
-// it does not.
+// compressed table must be exactly one zstd frame (SingleZstdFrame) with a
+// window of at most 2 x MaxTableSize (zstd's streaming writers use 8 MiB)
+// that decodes to at most MaxTableSize bytes: a frame whose header says
+// more is refused before it is decoded, and decoding stops at
+// 2 x MaxTableSize whatever the header says.
 func DecodeTableBlob(mediaType string, data []byte) ([]byte, error) {
 	if mediaType != MediaTypeChunkTableV2Zstd {
 		return data, nil
@@ -211,24 +212,20 @@ func DecodeTableBlob(mediaType string, data []byte) ([]byte, error) {
 	if err := h.Decode(data); err != nil {
 		return nil, fmt.Errorf("compressed chunk table: %v: %w", err, ErrInvalid)
 	}
-	limit := uint64(MaxTableSize)
-	if h.HasFCS {
-		if h.FrameContentSize > limit {
-			return nil, fmt.Errorf("compressed chunk table decodes to %d bytes: %w (limit %d)", h.FrameContentSize, ErrTooLarge, MaxTableSize)
-		}
-		limit = h.FrameContentSize
+	if h.HasFCS && h.FrameContentSize > MaxTableSize {
+		return nil, fmt.Errorf("compressed chunk table decodes to %d bytes: %w (limit %d)", h.FrameContentSize, ErrTooLarge, MaxTableSize)
 	}
-	dec, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(MaxTableSize),
-		zstd.WithDecoderMaxWindow(MaxTableSize), zstd.WithDecodeAllCapLimit(true))
+	dec, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(2*MaxTableSize),
+		zstd.WithDecoderMaxWindow(2*MaxTableSize))
 	if err != nil {
 		return nil, fmt.Errorf("zstd decoder: %w", err)
 	}
 	defer dec.Close()
-	out, err := dec.DecodeAll(data, make([]byte, 0, limit))
-	if errors.Is(err, zstd.ErrDecoderSizeExceeded) || errors.Is(err, zstd.ErrWindowSizeExceeded) || errors.Is(err, zstd.ErrFrameSizeExceeded) || uint64(len(out)) > limit {
-		return nil, fmt.Errorf("compressed chunk table decodes to more than %d bytes: %w", limit, ErrTooLarge)
-	}
-	if err != nil {
+	out, err := dec.DecodeAll(data, nil)
+	switch {
+	case errors.Is(err, zstd.ErrDecoderSizeExceeded) || errors.Is(err, zstd.ErrWindowSizeExceeded) || (err == nil && len(out) > MaxTableSize):
+		return nil, fmt.Errorf("compressed chunk table decodes to more than %d bytes: %w", MaxTableSize, ErrTooLarge)
+	case err != nil:
 		return nil, fmt.Errorf("decompress chunk table: %v: %w", err, ErrInvalid)
 	}
 	return out, nil

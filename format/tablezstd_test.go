@@ -82,9 +82,20 @@ func TestDecodeTableBlob(t *testing.T) {
 	if _, err := DecodeTableBlob(MediaTypeChunkTableV2Zstd, enc.EncodeAll(big, nil)); !errors.Is(err, ErrTooLarge) {
 		t.Errorf("a bomb that says its size: %v, want ErrTooLarge", err)
 	}
-	// A streamed frame does not say its size: stopped at the limit.
+	// A streamed frame does not say its size, and has an 8 MiB window:
+	// a small one decodes, a large one is stopped at the limit.
+	var small bytes.Buffer
+	w, err := zstd.NewWriter(&small, zstd.WithEncoderConcurrency(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Write(js)
+	w.Close()
+	if out, err := DecodeTableBlob(MediaTypeChunkTableV2Zstd, small.Bytes()); err != nil || !bytes.Equal(out, js) {
+		t.Errorf("a small streamed table: %q, %v", out, err)
+	}
 	var streamed bytes.Buffer
-	w, err := zstd.NewWriter(&streamed, zstd.WithEncoderConcurrency(1))
+	w, err = zstd.NewWriter(&streamed, zstd.WithEncoderConcurrency(1))
 	if err != nil {
 		t.Fatal(err)
 	}
