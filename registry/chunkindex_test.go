@@ -17,6 +17,7 @@ import (
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/cryo-oci/cryo/registry/distlayout"
+	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/distribution/distribution/v3/registry/storage"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
@@ -371,4 +372,38 @@ func TestLookupChecksAccessFirst(t *testing.T) {
 	if touched := rd.touched("/repositories/private/", false); len(touched) != 0 {
 		t.Fatalf("the lookup looked into a repository the caller may not pull from: %v", touched)
 	}
+}
+
+// TestChunkIndexAfterGC pushes a v1 snapshot to a, the same memory to b
+// (whose blobs are then a's, cross-mounted), deletes a's snapshot and
+// collects garbage. A push of the same memory to c must still find every
+// chunk through the index, in b, and upload nothing.
+func TestChunkIndexAfterGC(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	src := testenv.ImageDir(t, synth.Text, 8<<20, 17)
+	a, tag := reg.repo(t, "a:v1")
+	first, err := transfer.Push(ctx, src, a, tag, transfer.PushOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, tag := reg.repo(t, "b:v1")
+	if res, err := transfer.Push(ctx, src, b, tag, transfer.PushOptions{}); err != nil || res.Stats.UploadedBytes != 0 {
+		t.Fatalf("push to b: %v, %+v", err, res)
+	}
+	if err := a.Delete(ctx, first.Descriptor); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := reg.srv.Maintenance().GC(ctx, maintenance.GCOptions{RemoveUntagged: true}); err != nil {
+		t.Fatal(err)
+	}
+	c, tag := reg.repo(t, "c:v1")
+	res, err := transfer.Push(ctx, src, c, tag, transfer.PushOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Stats.UploadedBytes != 0 || res.ChunkIndexHits == 0 {
+		t.Errorf("push to c after a was collected: %d bytes uploaded, %d chunk index hits", res.Stats.UploadedBytes, res.ChunkIndexHits)
+	}
+	pullsBack(t, c, tag, src)
 }

@@ -103,8 +103,9 @@ type indexEntry struct {
 	Frame      bool  `json:"frame,omitempty"`
 	PackOffset int64 `json:"packOffset,omitempty"`
 	PackLength int64 `json:"packLength,omitempty"`
-	// Repositories link the pack of a Frame entry (which leaves
-	// ChunkBlob.Repository empty).
+	// Repositories link the entry's blob (at most maxRepositories): the
+	// pack of a Frame entry, which leaves ChunkBlob.Repository empty; a
+	// v1 chunk blob, whose ChunkBlob.Repository is the first of them.
 	Repositories []string `json:"repositories,omitempty"`
 }
 
@@ -186,18 +187,18 @@ func (ci *Index) indexChunk(ctx context.Context, repo string, r distribution.Rep
 	if data, err := ci.driver.GetContent(ctx, p); err == nil {
 		var old indexEntry
 		if json.Unmarshal(data, &old) == nil && old.Verified && old.Digest == c.Blob {
-			// Verified once: a blob's content never changes. Only its
-			// repository may have let it go.
-			if old.Repository == repo {
+			// Verified once: a blob's content never changes. Only the
+			// repositories that link it change: this one is added, so
+			// that the entry outlives the repository it was first
+			// recorded in.
+			repos, changed := withRepository(old.repositories(), repo)
+			if !changed {
 				return nil
-			}
-			if live, err := ci.linked(ctx, old.ChunkBlob); err != nil || live {
-				return err
 			}
 			if _, err := r.Blobs(ctx).Stat(ctx, c.Blob); err != nil {
 				return nil
 			}
-			old.Repository = repo
+			old.setRepositories(repos)
 			return ci.put(ctx, p, old)
 		}
 	}
@@ -211,8 +212,29 @@ func (ci *Index) indexChunk(ctx context.Context, repo string, r distribution.Rep
 		return nil
 	}
 	ci.opts.OnVerify(true)
-	return ci.put(ctx, p, indexEntry{Verified: true, ChunkBlob: api.ChunkBlob{
-		Encoding: string(c.Encoding), MediaType: c.MediaType(), Digest: c.Blob, Size: c.BlobSize, ChunkSize: c.Size, Repository: repo}})
+	e := indexEntry{Verified: true, ChunkBlob: api.ChunkBlob{
+		Encoding: string(c.Encoding), MediaType: c.MediaType(), Digest: c.Blob, Size: c.BlobSize, ChunkSize: c.Size}}
+	e.setRepositories([]string{repo})
+	return ci.put(ctx, p, e)
+}
+
+// repositories are the repositories a v1 entry records as linking its
+// blob: Repositories, or, in entries written before it existed,
+// Repository.
+func (e indexEntry) repositories() []string {
+	if len(e.Repositories) > 0 || e.Repository == "" {
+		return e.Repositories
+	}
+	return []string{e.Repository}
+}
+
+// setRepositories records repos in a v1 entry, the first also as
+// Repository (what registries from before Repositories read).
+func (e *indexEntry) setRepositories(repos []string) {
+	e.Repositories, e.Repository = repos, ""
+	if len(repos) > 0 {
+		e.Repository = repos[0]
+	}
 }
 
 // verify checks that chunk c's blob is linked in r, has the size the table
@@ -305,18 +327,32 @@ func (ci *Index) Lookup(ctx context.Context, d digest.Digest, visible func(repo 
 			continue
 		}
 		var b indexEntry
-		if json.Unmarshal(data, &b) != nil || !b.Verified || b.Frame || b.Digest.Validate() != nil || !visible(b.Repository) {
+		if json.Unmarshal(data, &b) != nil || !b.Verified || b.Frame || b.Digest.Validate() != nil {
 			continue
 		}
-		live, err := ci.linked(ctx, b.ChunkBlob)
-		if err != nil {
-			return nil, err
+		// The first repository the caller may pull from that still
+		// links the blob; an entry whose every repository let it go is
+		// dropped.
+		repos, dead := b.repositories(), 0
+		for _, r := range repos {
+			if !visible(r) {
+				continue
+			}
+			cb := b.ChunkBlob
+			cb.Repository = r
+			live, err := ci.linked(ctx, cb)
+			if err != nil {
+				return nil, err
+			}
+			if live {
+				out = append(out, cb)
+				break
+			}
+			dead++
 		}
-		if !live {
+		if dead == len(repos) {
 			_ = ci.driver.Delete(ctx, e)
-			continue
 		}
-		out = append(out, b.ChunkBlob)
 	}
 	return out, nil
 }
@@ -379,23 +415,27 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		if json.Unmarshal(data, &b) != nil {
 			return false
 		}
-		if b.Frame {
-			kept, dropped, err := ci.pruneRepositories(ctx, b.Digest, b.Repositories)
-			if err != nil || !dropped {
-				return false
-			}
-			if len(kept) == 0 {
-				return true
-			}
-			b.Repositories = kept
-			_ = ci.put(ctx, p, b)
-			return false
-		}
-		if !b.Verified {
+		if !b.Verified && !b.Frame {
 			return true
 		}
-		live, err := ci.linked(ctx, b.ChunkBlob)
-		return err == nil && !live
+		repos := b.Repositories
+		if !b.Frame {
+			repos = b.repositories()
+		}
+		kept, dropped, err := ci.pruneRepositories(ctx, b.Digest, repos)
+		if err != nil || !dropped {
+			return false
+		}
+		if len(kept) == 0 {
+			return true
+		}
+		if b.Frame {
+			b.Repositories = kept
+		} else {
+			b.setRepositories(kept)
+		}
+		_ = ci.put(ctx, p, b)
+		return false
 	})
 	return lists + entries, err
 }
