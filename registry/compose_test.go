@@ -6,10 +6,12 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/cryo-oci/cryo/format"
@@ -421,4 +423,45 @@ func TestComposeAfterGC(t *testing.T) {
 		t.Errorf("push to c after a was collected: %d bytes uploaded, %d composed", res.Stats.UploadedBytes, res.Stats.ComposedBytes)
 	}
 	pullsBack(t, c, tag, src)
+}
+
+// TestComposeFailureFallsBack pushes, through a front that fails every
+// composition with 500, the same memory to a second repository: the push
+// must upload what it would have had composed, and pull back whole.
+func TestComposeFailureFallsBack(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	var asked atomic.Int32
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == api.PacksPath {
+			asked.Add(1)
+			http.Error(w, "composition unavailable", http.StatusInternalServerError)
+			return
+		}
+		reg.srv.Handler().ServeHTTP(w, r)
+	}))
+	t.Cleanup(front.Close)
+	src := testenv.ImageDir(t, synth.Text, 48<<20, 19)
+	a, tag := reg.repo(t, "a:v1")
+	first, err := transfer.Push(ctx, src, a, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _, err := transfer.Repository(strings.TrimPrefix(front.URL, "http://")+"/b:v1", transfer.ClientOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := transfer.Push(ctx, src, b, "v1", v2Push)
+	if err != nil {
+		t.Fatalf("push with failing compositions: %v", err)
+	}
+	if asked.Load() == 0 || res.Stats.ComposedBytes != 0 || res.Stats.UploadedBytes != first.Stats.UploadedBytes {
+		t.Errorf("%d compositions asked; %d bytes composed, %d uploaded, want %d uploaded", asked.Load(), res.Stats.ComposedBytes, res.Stats.UploadedBytes, first.Stats.UploadedBytes)
+	}
+	// 3 failures in a row turn compositions off; 4 packs are stored at
+	// once.
+	if n := asked.Load(); n > 3+4 || int(n) >= first.Stats.BlobsUploaded {
+		t.Errorf("%d compositions asked for %d packs, want at most 7: they kept failing", n, first.Stats.BlobsUploaded)
+	}
+	pullsBack(t, b, "v1", src)
 }

@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/cryo-oci/cryo/registry/api"
 	"oras.land/oras-go/v2/registry/remote/retry"
 )
 
@@ -18,7 +19,8 @@ const MaxReadOnlyWait = 5 * time.Minute
 // refused in read-only mode: a puller must fail over to its next endpoint
 // at once, not wait); other answers and
 // errors are retried as oras-go's DefaultPolicy does (a few times, over a
-// few seconds). One policy serves one request.
+// few seconds), except a pack composition's answers (SPEC.md 12.2.1). One
+// policy serves one request.
 type readOnlyPolicy struct {
 	waited   time.Duration
 	attempts int // of the default policy
@@ -43,6 +45,11 @@ func (p *readOnlyPolicy) Retry(_ int, resp *http.Response, err error) (time.Dura
 			p.waited += d
 			return d, nil
 		}
+	}
+	if resp != nil && resp.Request != nil && resp.Request.URL.Path == api.PacksPath {
+		// A composition only saves an upload: when it fails, the pack
+		// is uploaded at once rather than after a backoff.
+		return -1, nil
 	}
 	d, rerr := retry.DefaultPolicy.Retry(p.attempts, resp, err)
 	p.attempts++
