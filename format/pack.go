@@ -672,6 +672,13 @@ func (p *packer) pushIfMissing(ctx context.Context, desc ocispec.Descriptor, dat
 	if ok {
 		return false, nil
 	}
+	return p.push(ctx, desc, data)
+}
+
+// push pushes data as desc, which dst lacked when asked, and reports
+// whether it pushed (not if dst got it meanwhile).
+func (p *packer) push(ctx context.Context, desc ocispec.Descriptor, data []byte) (bool, error) {
+	var err error
 	if bw, ok := p.dst.(BlobWriter); ok && (isChunk(desc.MediaType) || desc.MediaType == MediaTypePack) {
 		err = bw.WriteBlob(ctx, desc, data)
 	} else {

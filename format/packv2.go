@@ -202,7 +202,8 @@ func (p *packer) storePack(ctx context.Context, desc ocispec.Descriptor, data []
 		rest = append(rest, movedFrame{entry: m.entry, chunk: c})
 	}
 	if len(moved) == 0 {
-		uploaded, err := p.pushIfMissing(ctx, desc, data)
+		// dst lacked the pack a moment ago: no second HEAD.
+		uploaded, err := p.push(ctx, desc, data)
 		p.count(uploaded, desc.Size)
 		return nil, err
 	}

@@ -95,23 +95,25 @@ func New(driver extstore.Driver, ns distribution.Namespace, codec *format.Codec,
 type indexEntry struct {
 	api.ChunkBlob
 	Verified bool `json:"verified,omitempty"`
-	// Frame marks an entry of a format v2 table: the chunk's frame is
-	// PackLength bytes at PackOffset of the pack ChunkBlob.Digest (of
-	// ChunkBlob.Size bytes). It is the pusher's word: lookups never answer
-	// it, and a composition verifies the frame's bytes whenever it copies
-	// them (compose.go).
-	Frame      bool  `json:"frame,omitempty"`
-	PackOffset int64 `json:"packOffset,omitempty"`
-	PackLength int64 `json:"packLength,omitempty"`
+	// Frame marks an anchor of a format v2 table: the pack
+	// ChunkBlob.Digest (of ChunkBlob.Size bytes) holds a frame of the
+	// chunk, which the pack's list locates. It is the pusher's word:
+	// lookups never answer it, and a composition verifies the frame's
+	// bytes whenever it copies them (compose.go).
+	Frame bool `json:"frame,omitempty"`
 	// Repositories link the entry's blob (at most maxRepositories): the
 	// pack of a Frame entry, which leaves ChunkBlob.Repository empty; a
 	// v1 chunk blob, whose ChunkBlob.Repository is the first of them.
 	Repositories []string `json:"repositories,omitempty"`
 }
 
-func chunkDir(d digest.Digest) string {
+func chunkDir(d digest.Digest) string { return shardPath(Root, d) }
+
+// shardPath is where the index keeps what it records of d under root:
+// root/<algorithm>/<first two hex digits>/<hex>.
+func shardPath(root string, d digest.Digest) string {
 	hex := d.Encoded()
-	return path.Join(Root, d.Algorithm().String(), hex[:2], hex)
+	return path.Join(root, d.Algorithm().String(), hex[:2], hex)
 }
 
 // EntryPath is where the entry saying that blob carries chunk is stored.

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"path"
 	"slices"
 
 	"github.com/cryo-oci/cryo/format"
@@ -51,10 +50,7 @@ func isAnchor(d digest.Digest) bool {
 const PacksRoot = "/cryo/v1/packs"
 
 // PackListPath is where pack d's frame list is stored.
-func PackListPath(d digest.Digest) string {
-	hex := d.Encoded()
-	return path.Join(PacksRoot, d.Algorithm().String(), hex[:2], hex)
-}
+func PackListPath(d digest.Digest) string { return shardPath(PacksRoot, d) }
 
 // packList is a pack's frame list: the frames chunk tables say it holds.
 type packList struct {
@@ -179,7 +175,7 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 // in repo.
 func (ci *Index) indexAnchor(ctx context.Context, repo string, c format.Chunk) error {
 	p := EntryPath(c.Digest, c.Blob)
-	e := indexEntry{Frame: true, PackOffset: c.PackOffset, PackLength: c.BlobSize, ChunkBlob: api.ChunkBlob{
+	e := indexEntry{Frame: true, ChunkBlob: api.ChunkBlob{
 		Encoding: string(c.Encoding), MediaType: format.MediaTypePack, Digest: c.Blob, Size: c.PackSize, ChunkSize: c.Size}}
 	if data, err := ci.driver.GetContent(ctx, p); err == nil {
 		var old indexEntry
@@ -191,10 +187,9 @@ func (ci *Index) indexAnchor(ctx context.Context, repo string, c format.Chunk) e
 				return nil
 			}
 			if old.Frame {
-				// An anchor says which repositories link its pack:
-				// compositions take the frames from the pack's list, so
-				// the first frame recorded stays, and no table can take
-				// the other repositories out.
+				// An anchor says which repositories link its pack (the
+				// pack's list locates the frame): no table can take the
+				// other repositories out.
 				e = old
 			}
 		}
