@@ -112,10 +112,6 @@ func (p *Puller) servedScheduler(ctx context.Context, repository string) (*fetch
 	}
 	r, ok := p.served[repository]
 	if !ok {
-		eps, err := p.opts.PeerUpstream(ctx, repository)
-		if err != nil {
-			return nil, nil, fmt.Errorf("endpoints of %s: %w", repository, err)
-		}
 		now := time.Now()
 		for name, old := range p.served {
 			if old.active == 0 && now.Sub(old.used) > servedIdle {
@@ -125,6 +121,10 @@ func (p *Puller) servedScheduler(ctx context.Context, repository string) (*fetch
 		}
 		if len(p.served) >= maxServed {
 			return nil, nil, ErrTooManyRepositories
+		}
+		eps, err := p.opts.PeerUpstream(ctx, repository)
+		if err != nil {
+			return nil, nil, fmt.Errorf("endpoints of %s: %w", repository, err)
 		}
 		o := p.opts
 		deadline := servedDeadline

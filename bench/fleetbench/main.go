@@ -516,22 +516,29 @@ func randomReads(path string, size int64, every time.Duration, stop <-chan struc
 
 // scrape sums metric name in the daemon's /metrics.
 func scrape(d *daemon, name string) float64 {
-	resp, err := d.client.Get("http://puller/metrics")
+	v, _ := sumMetric(d.client, "http://puller/metrics", name)
+	return v
+}
+
+// sumMetric sums the samples of series at url's Prometheus text: a
+// metric name (every label set) or a name with its labels (that set).
+func sumMetric(c *http.Client, url, series string) (float64, error) {
+	resp, err := c.Get(url)
 	if err != nil {
-		return 0
+		return 0, err
 	}
 	defer resp.Body.Close()
 	var sum float64
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		line := sc.Text()
-		if strings.HasPrefix(line, name+" ") || strings.HasPrefix(line, name+"{") {
+		if strings.HasPrefix(line, series+" ") || (!strings.Contains(series, "{") && strings.HasPrefix(line, series+"{")) {
 			f := strings.Fields(line)
 			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
 			sum += v
 		}
 	}
-	return sum
+	return sum, sc.Err()
 }
 
 func report(cfg config, rs []result) {

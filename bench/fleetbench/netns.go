@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -190,30 +189,37 @@ func dialIn(ns, addr string) (net.Conn, error) {
 	}
 	ch := make(chan result, 1)
 	go func() {
+		// Unlocked only once back in the host namespace: a thread left in
+		// the other one dies with this goroutine (Goexit while locked).
 		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
 		self, err := os.Open("/proc/thread-self/ns/net")
 		if err != nil {
+			runtime.UnlockOSThread()
 			ch <- result{nil, err}
 			return
 		}
 		defer self.Close()
 		target, err := os.Open("/run/netns/" + ns)
 		if err != nil {
+			runtime.UnlockOSThread()
 			ch <- result{nil, err}
 			return
 		}
 		defer target.Close()
 		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
 			ch <- result{nil, fmt.Errorf("setns %s: %w", ns, err)}
 			return
 		}
 		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-		if err := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); err != nil {
-			// The thread stays in the other namespace: let it die
-			// with this goroutine rather than serve others.
-			runtime.Goexit()
+		if serr := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); serr != nil {
+			if c != nil {
+				c.Close()
+			}
+			ch <- result{nil, fmt.Errorf("setns back from %s: %w", ns, serr)}
+			runtime.Goexit() // the deferred closes run; the thread goes
 		}
+		runtime.UnlockOSThread()
 		ch <- result{c, err}
 	}()
 	r := <-ch
@@ -227,19 +233,8 @@ func (n *network) registryBlobBytes() (int64, error) {
 		return dialIn(n.registryNS(), registryIP+":5001")
 	}}, Timeout: 10 * time.Second}
 	defer client.CloseIdleConnections()
-	resp, err := client.Get("http://" + registryIP + ":5001/metrics")
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), `cryo_registry_response_bytes_total{kind="blob"} `); ok {
-			f, err := strconv.ParseFloat(v, 64)
-			return int64(f), err
-		}
-	}
-	return 0, sc.Err()
+	v, err := sumMetric(client, "http://"+registryIP+":5001/metrics", `cryo_registry_response_bytes_total{kind="blob"}`)
+	return int64(v), err
 }
 
 var sentRE = regexp.MustCompile(`Sent (\d+) bytes`)

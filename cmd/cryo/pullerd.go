@@ -233,9 +233,9 @@ Logs are structured (JSON) on stderr.`,
 	return cmd
 }
 
-// maxPeerConns bounds the connections of the peer server: a pool of 256
-// nodes with 16 connections each to this one.
-const maxPeerConns = 4096
+// maxPeerConns bounds the connections of the peer server: a pool of 128
+// nodes, each with its most connections to this one.
+const maxPeerConns = 128 * peer.MaxConnsPerPeer
 
 // servePeers serves p's chunks to its pool on addr (TLS if cert is set)
 // until the returned server is closed; a serving error goes to errc.

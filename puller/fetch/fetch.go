@@ -237,13 +237,12 @@ type call struct {
 	single bool
 	// demand: a read (Get) waits for the call, not only prefetches.
 	demand bool
-	// flight is the call's node-wide fetch, which this scheduler leads
-	// (single calls), or following, the one of another mount it follows;
-	// peerWait is set while the call is being asked of a peer: a read
-	// that comes to wait on the call (or on the fetch it follows) makes
-	// that wait urgent.
-	flight, following *flight
-	peerWait          *urgency
+	// following is the node-wide fetch of another mount the call
+	// follows; peerWait is set while the call is being asked of a peer: a
+	// read that comes to wait on the call (or on the fetch it follows)
+	// makes that wait urgent.
+	following *flight
+	peerWait  *urgency
 	// done is closed when the call is over (finished set): the chunk is
 	// in the node cache, flushed, or err says why not.
 	done     chan struct{}
@@ -513,11 +512,14 @@ const maxFaultWorkers = 4
 // fetches waiting on a peer that stalls (up to its answer wait), a fault
 // would otherwise wait for one of them to end. s.mu is held.
 func (s *Scheduler) faultWorker(prio Priority) {
+	if prio != Fault || s.faultWorkers >= maxFaultWorkers {
+		return
+	}
 	busy := 0
 	for _, n := range s.active {
 		busy += n
 	}
-	if prio != Fault || busy < s.opts.Workers || s.faultWorkers >= maxFaultWorkers {
+	if busy < s.opts.Workers {
 		return
 	}
 	s.faultWorkers++
@@ -527,7 +529,7 @@ func (s *Scheduler) faultWorker(prio Priority) {
 		s.mu.Lock()
 		var cl *call
 		if !s.closed {
-			cl = s.pop(Fault)
+			cl = s.take(Fault)
 		}
 		if cl == nil {
 			// A worker took it meanwhile, or the scheduler closed.
@@ -535,15 +537,24 @@ func (s *Scheduler) faultWorker(prio Priority) {
 			s.mu.Unlock()
 			return
 		}
-		cl.started = true
-		s.active[Fault]++
-		s.record(cl)
 		s.mu.Unlock()
 		s.runCall(cl, Fault)
 		s.mu.Lock()
 		s.faultWorkers--
 		s.mu.Unlock()
 	}()
+}
+
+// take pops the next call of priority p, if any, and counts it as
+// started by a worker. s.mu is held.
+func (s *Scheduler) take(p Priority) *call {
+	cl := s.pop(p)
+	if cl != nil {
+		cl.started = true
+		s.active[p]++
+		s.record(cl)
+	}
+	return cl
 }
 
 // next takes the next call to run, and the priority it runs at: the
@@ -576,10 +587,7 @@ func (s *Scheduler) next() (*call, Priority) {
 			if (p == Read || p == Prefetch || p == Profile && !s.running) && urgent && s.background() >= s.link.backgroundLimit(s.opts.Workers) {
 				break
 			}
-			if cl := s.pop(p); cl != nil {
-				cl.started = true
-				s.active[p]++
-				s.record(cl)
+			if cl := s.take(p); cl != nil {
 				if p != Fault && cl.chunk.Packed() && !cl.single {
 					s.coalesce(cl, p)
 				}
@@ -768,13 +776,10 @@ func (s *Scheduler) run(cl *call) {
 		s.followOrFetch(cl, f)
 		return
 	}
-	s.mu.Lock()
-	cl.flight = f
-	s.mu.Unlock()
 	// The node-wide fetch lasts until the chunk is in the cache, so that
 	// no mount fetches it again meanwhile; this worker goes on as soon as
 	// the write is queued.
-	s.fetchAndStore(cl, f.verify, func(data []byte, err error) {
+	s.fetchAndStore(cl, f, func(data []byte, err error) {
 		finish(data, err)
 		s.opts.InFlight.end(k, f, data, err)
 	})
@@ -1053,20 +1058,18 @@ func (s *Scheduler) requeue(cl *call) bool {
 }
 
 // fetchAndStore fetches cl's chunk, unless the node cache has it, hands its
-// verified bytes to cl's readers (and to verified, if not nil) and queues
-// its write into the cache. done gets the outcome: from the writer once the
-// write is over, or from this goroutine if nothing was queued. It returns
-// once the write is queued or done was called.
-func (s *Scheduler) fetchAndStore(cl *call, verified func([]byte), done func(data []byte, err error)) {
+// verified bytes to cl's readers (and to the node-wide fetch f this
+// scheduler leads for it, if not nil) and queues its write into the
+// cache. done gets the outcome: from the writer once the write is over,
+// or from this goroutine if nothing was queued. It returns once the write
+// is queued or done was called.
+func (s *Scheduler) fetchAndStore(cl *call, f *flight, done func(data []byte, err error)) {
 	c := cl.chunk
 	if s.cache.Has(c.Digest) {
 		done(nil, nil)
 		return
 	}
 	var data []byte
-	s.mu.Lock()
-	f := cl.flight
-	s.mu.Unlock()
 	if s.fromPeers([]*call{cl}, []*flight{f}, func(_ int, d []byte) { data = d }) == 0 {
 		var err error
 		if data, err = s.fetch(c); err != nil {
@@ -1075,8 +1078,8 @@ func (s *Scheduler) fetchAndStore(cl *call, verified func([]byte), done func(dat
 		}
 	}
 	s.publish(cl, data)
-	if verified != nil {
-		verified(data)
+	if f != nil {
+		f.verify(data)
 	}
 	s.store(c, data, done)
 }

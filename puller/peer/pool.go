@@ -125,6 +125,9 @@ const timeoutsToAvoid = 3
 // upstream is broken) costs every fault it owns the wait.
 const slowToAvoid = 8
 
+// MaxConnsPerPeer bounds the connections a node opens to each peer.
+const MaxConnsPerPeer = 32
+
 // NewPool resolves the peers once and returns the pool; dns: members are
 // resolved again every Refresh until Close. A peer list that names no one
 // is an error; names that do not resolve yet are logged and tried again.
@@ -176,11 +179,11 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second}).DialContext,
 		TLSClientConfig:     opts.TLS,
 		TLSHandshakeTimeout: opts.BackgroundWait,
-		MaxIdleConnsPerHost: 32,
+		MaxIdleConnsPerHost: MaxConnsPerPeer,
 		// A node's share of each peer's connections (its server takes
 		// a few thousand): requests beyond wait for one, within their
 		// wait.
-		MaxConnsPerHost: 32,
+		MaxConnsPerHost: MaxConnsPerPeer,
 		IdleConnTimeout: 90 * time.Second,
 	}
 	if opts.TLS != nil {
