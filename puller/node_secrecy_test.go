@@ -86,6 +86,7 @@ func TestOtherUserCannotReadSnapshot(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Unmount() })
+	waitPrepared(t, m)
 	// The image dir the chunks are written into as they come.
 	worldTraversable(t, filepath.Join(cacheDir, "images"))
 	assembling, _ := filepath.Glob(filepath.Join(cacheDir, "images", "*.tmp-*", format.PagesFile))

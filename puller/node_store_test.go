@@ -120,6 +120,8 @@ func TestConcurrentUnmountUnpinsOnce(t *testing.T) {
 	if m1.Progress().Mode != "fuse" || m2.Progress().Mode != "fuse" {
 		t.Fatalf("modes %s, %s; want two FUSE mounts", m1.Progress().Mode, m2.Progress().Mode)
 	}
+	waitPrepared(t, m1)
+	waitPrepared(t, m2)
 	pinned := p.Cache().Stats().Pinned
 	var wg sync.WaitGroup
 	for range 8 {

@@ -14,11 +14,12 @@ import (
 // chunksOf returns the stored (non-zero) chunks of the mounted file path.
 func chunksOf(m *Mount, path string) []format.Chunk {
 	var out []format.Chunk
-	for _, f := range m.files {
+	<-m.l.prepared
+	for i, f := range m.files {
 		if f.Path != path {
 			continue
 		}
-		for _, c := range f.Chunks {
+		for _, c := range m.l.chunks[i] {
 			if c.Encoding != format.EncodingZero {
 				out = append(out, c)
 			}

@@ -259,12 +259,16 @@ type load struct {
 	total int64
 	// local counts the bytes of the snapshot known to be local.
 	local atomic.Int64
-	// chunks are each file's chunks, sched the scheduler and pinned the
-	// chunks pinned in the node cache, once prepared. The load pins its
-	// snapshot's materialized dir from the start.
+	// tables load the chunk tables part by part (begin); chunks are each
+	// file's chunks, sched the scheduler and pinned the chunks pinned in
+	// the node cache, once prepared. The load pins its snapshot's
+	// materialized dir from the start.
+	tables *tables
 	chunks [][]format.Chunk
-	sched  *fetch.Scheduler
-	pinned []digest.Digest
+	// prepared is closed once prepareTables has set chunks and pinned.
+	prepared chan struct{}
+	sched    *fetch.Scheduler
+	pinned   []digest.Digest
 	// asm is the snapshot's image dir the chunks are written into as they
 	// come (cache.Assemble), committed as its materialized dir at the end.
 	asm *cache.Assembly
@@ -285,14 +289,38 @@ func (p *Puller) newLoad(ctx context.Context, src Source, start time.Time) (*loa
 		return nil, err
 	}
 	p.cache.PinImage(src.Index.Digest)
-	return &load{p: p, src: src, snap: snap, start: start, total: snap.LogicalSize()}, nil
+	return &load{p: p, src: src, snap: snap, start: start, total: snap.LogicalSize(), prepared: make(chan struct{})}, nil
 }
 
 // prepare loads every chunk table, pins every stored chunk in the node
 // cache and starts the fetch scheduler.
 func (l *load) prepare(ctx context.Context) error {
+	l.useProfile(ctx, l.begin(ctx))
+	return l.prepareTables(ctx)
+}
+
+// begin starts the load's fetch scheduler and looks its profile up (in
+// the background), but loads no chunk table: tables load part by part,
+// as reads need them (l.tables, under ctx), the rest in prepareTables.
+// Its result is for useProfile.
+func (l *load) begin(ctx context.Context) <-chan foundProfile {
+	o := l.p.opts
+	l.tables = newTables(ctx, Failover(l.src.Endpoints), l.snap, o.Deadline)
 	found := l.findProfile(ctx)
-	chunks, err := format.LoadChunks(ctx, Failover(l.src.Endpoints), l.snap)
+	fo := fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching}
+	if o.Peers != nil && l.src.Repository != "" {
+		fo.Peers = o.Peers.For(l.src.Repository)
+	}
+	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fo)
+	return found
+}
+
+// prepareTables waits for every chunk table, pins every stored chunk in
+// the node cache and starts assembling the snapshot's image dir. Chunks
+// fetched before (reads, the profile's first) went to the node cache as
+// chunk files; fetchAll copies them in place.
+func (l *load) prepareTables(ctx context.Context) error {
+	chunks, err := l.tables.all(ctx)
 	if err != nil {
 		return err
 	}
@@ -310,13 +338,7 @@ func (l *load) prepare(ctx context.Context) error {
 		// the materialized dir is written from them at the end.
 		l.p.opts.Logger.Warn("cannot assemble the snapshot's image dir in the node cache", "snapshot", l.src.Index.Digest, "err", err)
 	}
-	o := l.p.opts
-	fo := fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching}
-	if o.Peers != nil && l.src.Repository != "" {
-		fo.Peers = o.Peers.For(l.src.Repository)
-	}
-	l.sched = fetch.New(l.src.Endpoints, l.p.cache, l.p.codec, fo)
-	l.useProfile(ctx, found)
+	close(l.prepared)
 	return nil
 }
 
@@ -379,31 +401,42 @@ func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
 	}
 	info := f.info
 	info.Ranges, info.Bytes = len(ranges), (&profile.Profile{Ranges: ranges}).Bytes()
+	chunks, err := profileChunks(ctx, l.tables, ranges)
+	if err != nil {
+		log.Warn("profile not used", "snapshot", l.src.Index.Digest, "profile", f.info.Digest, "err", err)
+		return
+	}
 	l.profileInfo = &info
-	l.sched.FetchProfile(profileChunks(l.snap, l.chunks, ranges))
+	l.sched.FetchProfile(chunks)
 }
 
 // profileChunks lists the chunks covering ranges, in the ranges' order,
-// each once.
-func profileChunks(snap *format.Snapshot, chunks [][]format.Chunk, ranges []profile.Range) []format.Chunk {
+// each once: the tables of their parts are loaded first.
+func profileChunks(ctx context.Context, t *tables, ranges []profile.Range) ([]format.Chunk, error) {
 	var out []format.Chunk
 	seen := map[digest.Digest]bool{}
 	for _, r := range ranges {
-		for fi, f := range snap.Files {
-			if f.Path != r.Path {
+		for fi, f := range t.snap.Files {
+			if f.Path != r.Path || r.Length <= 0 {
 				continue
 			}
-			t := format.Table{Chunks: chunks[fi]}
-			first, last := t.Locate(r.Offset, r.Length)
-			for ci := first; ci < last; ci++ {
-				if c := chunks[fi][ci]; !seen[c.Digest] {
+			n := min(r.Length, f.Size-r.Offset)
+			if r.Offset < 0 || n <= 0 {
+				continue
+			}
+			chunks, err := t.span(ctx, fi, r.Offset, n)
+			if err != nil {
+				return nil, err
+			}
+			for _, c := range chunks {
+				if !seen[c.Digest] {
 					seen[c.Digest] = true
 					out = append(out, c)
 				}
 			}
 		}
 	}
-	return out
+	return out, nil
 }
 
 // run fetches every chunk of the given files (indexes into the snapshot's
@@ -653,29 +686,11 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	}
 	bg, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
-	if err := l.prepare(ctx); err != nil {
-		m.close()
-		return nil, err
-	}
-	m.files = make([]imagefs.File, len(l.snap.Files))
-	for i, f := range l.snap.Files {
-		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Chunks: l.chunks[i]}
-	}
-	if files {
-		lazy, err := m.fetchSmallFiles(ctx)
-		if err != nil {
-			m.close()
-			return nil, err
-		}
-		m.mode = "gofer"
-		m.ready = time.Since(start)
-		m.startBackground(bg, lazy)
-		return m, nil
-	}
-	if p.opts.NoFUSE || !FUSEAvailable() {
+	if !files && (p.opts.NoFUSE || !FUSEAvailable()) {
 		p.opts.Logger.Warn("FUSE unavailable: pulling the whole snapshot before restore", "snapshot", src.Index.Digest)
 		m.mode = "eager"
-		all := make([]int, len(m.files))
+		l.useProfile(ctx, l.begin(bg))
+		all := make([]int, len(l.snap.Files))
 		for i := range all {
 			all[i] = i
 		}
@@ -695,10 +710,32 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		m.ready = time.Since(start)
 		return m, nil
 	}
+	// Ready needs the small files and the profile's first chunks queued,
+	// not the chunk tables of the large files: those load as reads need
+	// them, and the rest in the background (tables).
+	found := l.begin(bg)
+	m.files = make([]imagefs.File, len(l.snap.Files))
+	for i, f := range l.snap.Files {
+		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Span: func(ctx context.Context, off, n int64) ([]format.Chunk, error) {
+			return l.tables.span(ctx, i, off, n)
+		}}
+	}
+	profiled := make(chan struct{})
+	go func() {
+		defer close(profiled)
+		l.useProfile(ctx, found)
+	}()
 	lazy, err := m.fetchSmallFiles(ctx)
+	<-profiled
 	if err != nil {
 		m.close()
 		return nil, err
+	}
+	if files {
+		m.mode = "gofer"
+		m.ready = time.Since(start)
+		m.startBackground(bg, lazy)
+		return m, nil
 	}
 	root := imagefs.New(m.files, p.cache, imagefs.Sources{
 		Fault: scheduled{s: l.sched, prio: fetch.Fault},
@@ -803,7 +840,7 @@ func (m *Mount) readMaterialized(i int, p []byte, off int64) error {
 // fetchSmallFiles fetches and verifies the small files into memory, for
 // imagefs to serve, and returns the other files (indexes), served lazily.
 func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
-	var lazy []int
+	var lazy, small []int
 	// budget bounds what the mount holds in memory: small files past it
 	// are served lazily, so a snapshot of many large "small" files (or of
 	// gigabytes of zeros) cannot exhaust the puller's memory.
@@ -815,10 +852,19 @@ func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
 			continue
 		}
 		budget -= f.Size
+		small = append(small, i)
+		m.l.tables.hurry(i)
+	}
+	for _, i := range small {
+		f := &m.files[i]
 		data := make([]byte, 0, f.Size)
+		chunks, err := m.l.tables.file(ctx, i)
+		if err != nil {
+			return nil, err
+		}
 		// The mount is not ready until these are here: fetch them as
 		// faults are, ahead of everything.
-		for _, c := range f.Chunks {
+		for _, c := range chunks {
 			b, err := m.l.sched.Get(ctx, c, nil, fetch.Fault)
 			if err != nil {
 				return nil, fmt.Errorf("fetch %s: %w", f.Path, err)
@@ -837,10 +883,13 @@ func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
 // loadAll runs the load over the given files and materializes the
 // snapshot, then reports the mount loaded.
 func (m *Mount) loadAll(ctx context.Context, files []int) error {
-	// Materializing reads and writes the whole snapshot once more: while a
-	// sandbox still loads its pages from this mount, it would take the
-	// disk and the CPU from it (FilesOptions.MaterializeAfter).
-	err := m.l.run(ctx, files, m.materializeAfter)
+	err := m.l.prepareTables(ctx)
+	if err == nil {
+		// Materializing reads and writes the whole snapshot once more:
+		// while a sandbox still loads its pages from this mount, it would
+		// take the disk and the CPU from it (MaterializeAfter).
+		err = m.l.run(ctx, files, m.materializeAfter)
+	}
 	m.finish(err)
 	return err
 }

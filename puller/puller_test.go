@@ -234,6 +234,17 @@ func snapshotChunks(t testing.TB, s Source) []format.Chunk {
 	return out
 }
 
+// waitPrepared waits until m's load has every chunk table and has pinned
+// its chunks (a FUSE mount loads them in the background).
+func waitPrepared(t testing.TB, m *Mount) {
+	t.Helper()
+	select {
+	case <-m.l.prepared:
+	case <-time.After(60 * time.Second):
+		t.Fatal("chunk tables not loaded after 60 s")
+	}
+}
+
 func waitLoaded(t testing.TB, m *Mount) {
 	t.Helper()
 	select {
@@ -517,8 +528,8 @@ func TestSameSnapshotMountedTwiceAtOnce(t *testing.T) {
 	waitLoaded(t, m1)
 	waitLoaded(t, m2)
 	chunks := int64(0)
-	for _, f := range m1.files {
-		for _, c := range f.Chunks {
+	for _, fc := range m1.l.chunks {
+		for _, c := range fc {
 			if c.Encoding != format.EncodingZero {
 				chunks++
 			}
@@ -632,6 +643,9 @@ func TestRegistryKilledMidLoad(t *testing.T) {
 	chunks := snapshotChunks(t, src)
 	p := newPuller(t, Options{Workers: 2})
 	m := mount(t, p, src)
+	// The chunk tables are in (TestRegistryKilledBeforeTables kills it
+	// before): a read can only wait for chunks.
+	waitPrepared(t, m)
 	real.Stop()
 	if pr := m.Progress(); pr.LocalBytes >= pr.TotalBytes {
 		t.Fatal("the load finished before the registry was killed: test data too small")

@@ -44,8 +44,13 @@ type File struct {
 	Mode uint32
 	// Data holds a small file's verified bytes; nil for a lazy file.
 	Data []byte
-	// Chunks are a lazy file's chunks in offset order (all parts).
+	// Chunks are a lazy file's chunks in offset order (all parts); or,
+	// if nil, Span gives the chunks a read needs.
 	Chunks []format.Chunk
+	// Span returns the chunks that hold [off, off+n) of a lazy file, in
+	// offset order, n > 0 (a mount that loads its chunk tables part by
+	// part, as reads need them).
+	Span func(ctx context.Context, off, n int64) ([]format.Chunk, error)
 }
 
 // Sources supply the chunks a read needs that the node cache does not
@@ -252,6 +257,12 @@ type Wanter interface {
 // readChunks fills dest with the file's bytes at off.
 func readChunks(ctx context.Context, cc *cache.Store, file *File, dest []byte, off int64, src format.ChunkSource, stats *Stats) error {
 	chunks := file.Chunks
+	if chunks == nil && file.Span != nil && len(dest) > 0 {
+		var err error
+		if chunks, err = file.Span(ctx, off, int64(len(dest))); err != nil {
+			return err
+		}
+	}
 	i := sort.Search(len(chunks), func(i int) bool { return chunks[i].End() > off })
 	if w, ok := src.(Wanter); ok {
 		last := sort.Search(len(chunks), func(i int) bool { return chunks[i].Offset >= off+int64(len(dest)) })

@@ -1,0 +1,161 @@
+package puller
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/transfer"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"oras.land/oras-go/v2/content"
+)
+
+// TestMountReadyBeforeTables mounts a snapshot whose pages.img chunk
+// tables (two parts) the registry does not serve: the mount is ready all
+// the same (it needs only the index and the small files), a read of
+// pages.img across its parts' boundary waits for their tables rather than
+// failing, and once the registry serves them the read returns the source's
+// bytes and the load completes.
+func TestMountReadyBeforeTables(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, synth.Random, 20<<20, 3); err != nil {
+		t.Fatal(err)
+	}
+	// 4 KiB chunks: 5,120 for pages.img, two parts (format.MaxChunksPerPart).
+	pack := format.PackOptions{Format: format.V2}
+	pack.Chunking.Algorithm = "fixed"
+	pack.Chunking.Min, pack.Chunking.Avg, pack.Chunking.Max = 4096, 4096, 4096
+	repo := r.repo(t, "app:v1")
+	res, err := transfer.Push(context.Background(), dir, repo, "v1", transfer.PushOptions{Pack: pack})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := Source{Index: res.Descriptor, Endpoints: []fetch.Endpoint{{Name: "primary", Store: transfer.Ranged{Repository: repo}}}}
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, repo, s.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pages := snap.File(format.PagesFile)
+	if len(pages.Parts) < 2 {
+		t.Fatalf("pages.img has %d parts, want 2 or more", len(pages.Parts))
+	}
+	unserved := map[string]bool{}
+	for part := range pages.Parts {
+		pt, err := format.LoadPart(ctx, repo, pages, part)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unserved[pt.Manifest.Config.Digest.String()] = true
+	}
+	r.set(func(r *reg) { r.unserved = unserved })
+
+	p := newPuller(t, Options{})
+	m := mount(t, p, s)
+	if mode := m.Progress().Mode; mode != "fuse" {
+		t.Fatalf("mode %s, want fuse", mode)
+	}
+	boundary := pages.Parts[1].Offset
+	got := make([]byte, 8192)
+	done := make(chan error, 1)
+	go func() {
+		f, err := os.Open(filepath.Join(m.Dir(), format.PagesFile))
+		if err != nil {
+			done <- err
+			return
+		}
+		defer f.Close()
+		_, err = f.ReadAt(got, boundary-4096)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("read of pages.img returned (%v) while its chunk tables were not served", err)
+	case <-time.After(time.Second):
+	}
+	r.set(func(r *reg) { r.unserved = nil })
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("read across pages.img's parts once its tables were served: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("read did not complete after the tables were served")
+	}
+	want, err := os.ReadFile(filepath.Join(dir, format.PagesFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want[boundary-4096:boundary+4096]) {
+		t.Fatal("bytes across pages.img's parts differ from the source's")
+	}
+	waitLoaded(t, m)
+	whole, _ := os.ReadFile(filepath.Join(p.MaterializedDir(s.Index.Digest), format.PagesFile))
+	if !bytes.Equal(whole, want) {
+		t.Fatal("materialized pages.img differs")
+	}
+}
+
+// TestLyingPartTableFailsItsReads serves a pages.img whose chunk table
+// disagrees with the snapshot index only when a read needs it: the mount
+// is ready, the read fails (EIO, never bytes the table made up), and the
+// background load reports the table's error.
+func TestLyingPartTableFailsItsReads(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	_, s := push(t, r, "app", synth.Random, 8<<20, 4)
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, s.Endpoints[0].Store, s.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A snapshot index whose pages.img digest is not its table's: pushed
+	// as a new index over the same manifests.
+	idx := lieAboutDigest(t, r, s, snap, format.PagesFile)
+	p := newPuller(t, Options{})
+	m := mount(t, p, idx)
+	if _, err := os.ReadFile(filepath.Join(m.Dir(), format.PagesFile)); err == nil {
+		t.Fatal("read of pages.img through a table that disagrees with the index succeeded")
+	}
+	select {
+	case <-m.Loaded():
+		if m.Err() == nil || !bytes.Contains([]byte(m.Err().Error()), []byte("disagrees with the snapshot index")) {
+			t.Fatalf("background load: %v, want the table's disagreement", m.Err())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("background load did not end")
+	}
+}
+
+// lieAboutDigest pushes a copy of s's snapshot index in which file path's
+// digest annotation names other bytes, over the same manifests, and
+// returns it as a Source: its tables then disagree with it.
+func lieAboutDigest(t *testing.T, r *reg, s Source, snap *format.Snapshot, path string) Source {
+	t.Helper()
+	ctx := context.Background()
+	repo := r.repo(t, "app:v1")
+	data, err := content.FetchAll(ctx, repo, s.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	real := snap.File(path).Digest.String()
+	lie := digest.FromString("other bytes").String()
+	if bytes.Count(data, []byte(real)) == 0 {
+		t.Fatalf("index does not name %s's digest", path)
+	}
+	data = bytes.ReplaceAll(data, []byte(real), []byte(lie))
+	desc := content.NewDescriptorFromBytes(ocispec.MediaTypeImageIndex, data)
+	if err := repo.Push(ctx, desc, bytes.NewReader(data)); err != nil {
+		t.Fatal(err)
+	}
+	return Source{Index: desc, Endpoints: s.Endpoints}
+}
