@@ -33,6 +33,11 @@ type tables struct {
 	// for takes no slot.
 	sem   chan struct{}
 	parts [][]*partTable
+	// urgent counts the loads a read waits for that are fetching; the
+	// background starts no fetch while there are any (cond, under mu).
+	mu     sync.Mutex
+	cond   *sync.Cond
+	urgent int
 }
 
 // partTable is one part's table, loaded once.
@@ -56,6 +61,7 @@ func newTables(ctx context.Context, src content.Fetcher, snap *format.Snapshot, 
 		deadline = 5 * time.Minute
 	}
 	t := &tables{ctx: ctx, src: src, snap: snap, deadline: deadline, sem: make(chan struct{}, backgroundTableLoads), parts: make([][]*partTable, len(snap.Files))}
+	t.cond = sync.NewCond(&t.mu)
 	for i, f := range snap.Files {
 		t.parts[i] = make([]*partTable, len(f.Parts))
 		for j := range f.Parts {
@@ -74,8 +80,7 @@ func (t *tables) part(ctx context.Context, fi, pi int) ([]format.Chunk, error) {
 		return p.chunks, p.err
 	default:
 	}
-	p.hurry.Do(func() { close(p.urgent) })
-	t.startPart(fi, pi)
+	t.hurryPart(fi, pi)
 	return t.wait(ctx, fi, pi)
 }
 
@@ -90,14 +95,28 @@ func (t *tables) wait(ctx context.Context, fi, pi int) ([]format.Chunk, error) {
 	}
 }
 
+// hurryPart starts loading part pi of file fi, if it is not loading yet,
+// ahead of the background's loads.
+func (t *tables) hurryPart(fi, pi int) {
+	p := t.parts[fi][pi]
+	p.hurry.Do(func() {
+		close(p.urgent)
+		t.mu.Lock()
+		t.cond.Broadcast()
+		t.mu.Unlock()
+	})
+	t.startPart(fi, pi)
+}
+
 // startPart starts loading part pi of file fi, once.
 func (t *tables) startPart(fi, pi int) {
 	p := t.parts[fi][pi]
 	p.start.Do(func() { go t.loadPart(fi, pi, p) })
 }
 
-// loadPart loads one part's table: in a slot of sem unless a read wants
-// it, retrying fetch failures with backoff until the deadline.
+// loadPart loads one part's table: in a slot of sem and once no read
+// waits for a table unless a read wants this one, retrying fetch failures
+// with backoff until the deadline.
 func (t *tables) loadPart(fi, pi int, p *partTable) {
 	defer close(p.done)
 	select {
@@ -107,6 +126,23 @@ func (t *tables) loadPart(fi, pi int, p *partTable) {
 	case <-t.ctx.Done():
 		p.err = t.ctx.Err()
 		return
+	}
+	t.mu.Lock()
+	for t.urgent > 0 && !closedChan(p.urgent) && t.ctx.Err() == nil {
+		t.cond.Wait()
+	}
+	urgent := closedChan(p.urgent)
+	if urgent {
+		t.urgent++
+	}
+	t.mu.Unlock()
+	if urgent {
+		defer func() {
+			t.mu.Lock()
+			t.urgent--
+			t.cond.Broadcast()
+			t.mu.Unlock()
+		}()
 	}
 	ctx, cancel := context.WithTimeout(t.ctx, t.deadline)
 	defer cancel()
@@ -135,9 +171,18 @@ func (t *tables) loadPart(fi, pi int, p *partTable) {
 // hurry starts loading the tables of file fi's parts, ahead of the
 // background's.
 func (t *tables) hurry(fi int) {
-	for pi, p := range t.parts[fi] {
-		p.hurry.Do(func() { close(p.urgent) })
-		t.startPart(fi, pi)
+	for pi := range t.parts[fi] {
+		t.hurryPart(fi, pi)
+	}
+}
+
+// closedChan reports whether c is closed.
+func closedChan(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
 	}
 }
 
