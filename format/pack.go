@@ -368,11 +368,11 @@ func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
 		// destination (creating a blob file, an HTTP round trip).
 		opts.Concurrency = 4 * runtime.GOMAXPROCS(0)
 	}
-	level := ZstdLevel
+	newCodec := NewCodec
 	if opts.Format == V2 {
-		level = ZstdLevelV2
+		newCodec = NewCodecV2
 	}
-	codec, err := NewCodecLevel(runtime.GOMAXPROCS(0), level)
+	codec, err := newCodec(runtime.GOMAXPROCS(0))
 	if err != nil {
 		return nil, err
 	}

@@ -2,6 +2,7 @@ package format
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -11,10 +12,18 @@ import (
 )
 
 // BenchmarkPack packs a 256 MiB synthetic pages.img of each kind into an OCI
-// layout on disk, the path `cryo pack` takes.
+// layout on disk, the path `cryo pack` takes, in each format.
 func BenchmarkPack(b *testing.B) {
-	for _, kind := range synth.Kinds {
-		b.Run(string(kind), func(b *testing.B) {
+	for _, v := range []Version{V1, V2} {
+		for _, kind := range synth.Kinds {
+			benchmarkPack(b, v, kind)
+		}
+	}
+}
+
+func benchmarkPack(b *testing.B, v Version, kind synth.Kind) {
+	{
+		b.Run(fmt.Sprintf("v%d/%s", v, kind), func(b *testing.B) {
 			dir := b.TempDir()
 			if err := synth.ImageDir(dir, kind, 256<<20, 1); err != nil {
 				b.Fatal(err)
@@ -29,7 +38,7 @@ func BenchmarkPack(b *testing.B) {
 					b.Fatal(err)
 				}
 				b.StartTimer()
-				if _, _, err := Pack(context.Background(), dir, store, PackOptions{}); err != nil {
+				if _, _, err := Pack(context.Background(), dir, store, PackOptions{Format: v}); err != nil {
 					b.Fatal(err)
 				}
 				b.StopTimer()

@@ -252,7 +252,7 @@ func (p *packer) identifyV2(ctx context.Context, data []byte) (v2Result, error) 
 		}
 	}
 	zbuf := p.bufs.Get().(*[]byte)
-	c, frame := p.codec.Compress(c, data, *zbuf)
+	c, frame := p.codec.CompressFrame(c, data, *zbuf)
 	p.mu.Lock()
 	p.newChunk[c.Digest] = true
 	p.mu.Unlock()
@@ -262,8 +262,6 @@ func (p *packer) identifyV2(ctx context.Context, data []byte) (v2Result, error) 
 		p.bufs.Put(zbuf)
 		zbuf = nil
 	}
-	// In a pack the frame's blob is the pack: set when it is sealed.
-	c.Blob = ""
 	return v2Result{chunk: c, frame: frame, zbuf: zbuf}, nil
 }
 
