@@ -24,7 +24,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "cryo_puller_peer_served_bytes_total", Help: "Chunk bytes served to peers of the pool.",
 		}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "cryo_puller_peer_errors_total", Help: "Peer requests that failed, by kind (unreachable, timeout, refused, busy, corrupt, short, other); the chunks were fetched upstream.",
+			Name: "cryo_puller_peer_errors_total", Help: "Peer requests that failed, by kind (unreachable, timeout, refused, busy, corrupt, short, local: no connection to the peer free on this node in time, other); the chunks were fetched upstream.",
 		}, []string{"kind"}),
 		refusals: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "cryo_puller_peer_refused_requests_total", Help: "Requests to this node's peer server refused for want of the pool token.",

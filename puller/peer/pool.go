@@ -492,6 +492,10 @@ var (
 	errStalled = errors.New("peer sent nothing for too long")
 	errSlow    = errors.New("peer answered but had not the chunk in time")
 	errShort   = errors.New("peer ended its answer early (it could not get the chunk)")
+	// errLocalWait: the request waited for one of this node's
+	// connections to the peer (MaxConnsPerPeer) and never reached it: not
+	// the peer's fault.
+	errLocalWait = errors.New("no connection to the peer free on this node in time")
 )
 
 // corruptError is a chunk a peer served that did not verify.
@@ -533,7 +537,7 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fa
 		// The member is this very node, under an address it did not
 		// know for its own: it owns what that member owns.
 		p.markSelf(owner.addr)
-	case kind == "busy" || kind == "short":
+	case kind == "busy" || kind == "short" || kind == "local":
 		// Alive, but without the chunk now: upstream, no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
 	case errors.Is(err, errSlow) && !fault:
@@ -572,6 +576,8 @@ func errorKind(err error) string {
 		return "timeout"
 	case errors.Is(err, errShort):
 		return "short"
+	case errors.Is(err, errLocalWait):
+		return "local"
 	case errors.As(err, &se) && (se.code == http.StatusUnauthorized || se.code == http.StatusForbidden):
 		return "refused"
 	case errors.As(err, &se) && se.code == http.StatusServiceUnavailable:
@@ -611,7 +617,7 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var stalled, answered, connected, wrote atomic.Bool
+	var stalled, answered, dialing, connected, wrote atomic.Bool
 	timer := &stallTimer{wait: func() time.Duration {
 		switch {
 		case isUrgent():
@@ -648,6 +654,9 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 			// It answered: alive, but the chunk is not there yet.
 			return fmt.Errorf("%w (%s): %v", errSlow, p.opts.UrgentWait, err)
 		}
+		if !dialing.Load() && !connected.Load() {
+			return fmt.Errorf("%w (%s, %d connections to it busy): %v", errLocalWait, timer.wait(), MaxConnsPerPeer, err)
+		}
 		phase := "connecting"
 		switch {
 		case answered.Load():
@@ -671,6 +680,7 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	// is not sent).
 	hr.Header["Idempotency-Key"] = nil
 	hr = hr.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		ConnectStart: func(string, string) { dialing.Store(true) },
 		GotConn:      func(httptrace.GotConnInfo) { connected.Store(true) },
 		WroteRequest: func(httptrace.WroteRequestInfo) { wrote.Store(true) },
 	}))

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -403,5 +404,60 @@ func TestRefusedRepositoryIsBusy(t *testing.T) {
 	}
 	if live, _ := p.Members(); len(live) != 1 {
 		t.Fatal("a peer that refused one repository was avoided")
+	}
+}
+
+// TestLocalConnectionWaitIsNotThePeers: with all MaxConnsPerPeer of this
+// node's connections to a peer held by requests it is answering, page
+// faults that wait for a connection go upstream when their wait ends, but
+// the peer is not blamed (kind "local", not "timeout") and never avoided.
+func TestLocalConnectionWaitIsNotThePeers(t *testing.T) {
+	var inFlight atomic.Int32
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		inFlight.Add(1)
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(release) })
+	reg := prometheus.NewRegistry()
+	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 100 * time.Millisecond,
+		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
+	ctx, cancel := context.WithCancel(context.Background())
+	var holders sync.WaitGroup
+	t.Cleanup(func() { cancel(); holders.Wait() })
+	for range MaxConnsPerPeer {
+		holders.Add(1)
+		go func() {
+			defer holders.Done()
+			p.For("r/x").Fetch(ctx, []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil })
+		}()
+	}
+	for deadline := time.Now().Add(30 * time.Second); inFlight.Load() < MaxConnsPerPeer; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests reached the peer, want %d", inFlight.Load(), MaxConnsPerPeer)
+		}
+	}
+	for i := 1; i <= 2*timeoutsToAvoid; i++ {
+		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
+			t.Fatalf("took %d chunks", n)
+		}
+		if live, _ := p.Members(); len(live) == 0 {
+			t.Fatalf("peer avoided after %d page faults waited for this node's own connections", i)
+		}
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("local")); got != 2*timeoutsToAvoid {
+		t.Errorf("local waits counted: %v, want %d", got, 2*timeoutsToAvoid)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != 0 {
+		t.Errorf("timeouts counted against the peer: %v", got)
+	}
+	if n := inFlight.Load(); n != MaxConnsPerPeer {
+		t.Errorf("%d requests reached the peer, want %d (the faults must not)", n, MaxConnsPerPeer)
 	}
 }
