@@ -27,7 +27,7 @@ var (
 	shapedRep = flag.Int("shaped-reps", 1, "repetitions on each shaped link")
 	linksFlag = flag.String("links", "loopback,1gbit-5ms,100mbit-25ms", "links: loopback and/or shaped NAME-RTT with NAME 1gbit or 100mbit")
 	chartFlag = flag.String("chart", "", "write a PNG bar chart of the loopback results here")
-	formatFl  = flag.String("format", "v1", "snapshot format cryo pushes: v1 or v2")
+	formatFl  = flag.String("format", "v1", "snapshot formats cryo pushes, comma-separated (v1, v2): the cold cryo paths run once for each, side by side")
 	regRoot   = flag.String("registry-root", "", "the registry's storage root (default: a temp dir); on tmpfs (/dev/shm/...) the registry, remote in real use, does not share the node's disk")
 )
 
@@ -41,7 +41,22 @@ const (
 	cryoWarm  = "cryo restore, warm node cache (materialized)"
 )
 
-var paths = pathsFromEnv()
+// paths are the paths measured (BenchmarkRestore sets them from the
+// formats): a cold cryo path of a format other than the first carries
+// its name after formatSep.
+var paths = pathsFromEnv([]string{"v1"})
+
+// formatSep ends a path's name before its format.
+const formatSep = ", format "
+
+// pathFormat splits a path into its kind (one of the consts above) and the
+// format cryo restores (first, if the path names none).
+func pathFormat(path, first string) (string, string) {
+	if i := strings.Index(path, formatSep); i >= 0 {
+		return path[:i], path[i+len(formatSep):]
+	}
+	return path, first
+}
 
 // loadedLine is what cryo restore prints when runsc wait --restore returns.
 var loadedLine = regexp.MustCompile(`cryo: all pages loaded after ([0-9.]+) s`)
@@ -59,13 +74,18 @@ func BenchmarkRestore(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	cryo, oras := testenv.Tool(b, "cryo"), testenv.Tool(b, "oras")
 	reg, sizes, links := setup(b)
+	formats := strings.Split(*formatFl, ",")
+	paths = pathsFromEnv(formats)
 	results := map[string][]sample{} // size|link|path
 	for _, mib := range sizes {
 		app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib, Interval: 5 * time.Millisecond})
 		app.NextCount(b)
 		img := app.Checkpoint(b)
 		tag := fmt.Sprintf("m%d", mib)
-		pushBoth(b, cryo, oras, img, reg.Addr, tag, "--format", *formatFl)
+		pushBoth(b, cryo, oras, img, reg.Addr, tag, "--format", formats[0])
+		for _, f := range formats[1:] {
+			testenv.Run(b, cryo, "push", "--format", f, img, reg.Addr+"/cryo:"+tag+"-"+f)
+		}
 		for _, link := range links {
 			addr := reg.Addr
 			reps := *repsFlag
@@ -89,7 +109,13 @@ func BenchmarkRestore(b *testing.B) {
 				cache := filepath.Join(work, "cache")
 				for _, path := range paths {
 					var cmd *exec.Cmd
-					switch path {
+					kind, format := pathFormat(path, formats[0])
+					ref, caches := addr+"/cryo:"+tag, work
+					if format != formats[0] {
+						ref += "-" + format
+						caches = filepath.Join(work, format)
+					}
+					switch kind {
 					case localCold:
 						if err := benchutil.DropCaches(); err != nil {
 							b.Fatal(err)
@@ -106,18 +132,18 @@ func BenchmarkRestore(b *testing.B) {
 						cmd = shell(app, fmt.Sprintf("mkdir -p %s && %s pull --plain-http -o %s %s/oras:%s >/dev/null && ", out, oras, out, addr, tag)+
 							runscRestore(app, out)+" && "+runscWait(app))
 					case cryoGofer, cryoCold, cryoWarm:
-						if path != cryoWarm {
+						if kind != cryoWarm {
 							if err := benchutil.DropCaches(); err != nil {
 								b.Fatal(err)
 							}
 						} else {
 							warm(filepath.Join(cache, "images"))
 						}
-						args := []string{"restore", "--cache", cache, "--runsc", runsc}
-						switch path {
+						args := []string{"restore", "--cache", filepath.Join(caches, "cache"), "--runsc", runsc}
+						switch kind {
 						case cryoGofer:
 							// A cache of its own: cold, as the FUSE path's.
-							args = []string{"restore", "--cache", filepath.Join(work, "cache-gofer"), "--runsc", runsc, "--backend", "gofer"}
+							args = []string{"restore", "--cache", filepath.Join(caches, "cache-gofer"), "--runsc", runsc, "--backend", "gofer"}
 							if prof := os.Getenv("CRYO_BENCH_GOFER_CPUPROFILE"); prof != "" {
 								args = append(args, "--cpuprofile", prof)
 							}
@@ -134,7 +160,7 @@ func BenchmarkRestore(b *testing.B) {
 						for _, f := range app.Flags() {
 							args = append(args, "--runsc-flag="+f)
 						}
-						cmd = exec.Command(cryo, append(args, addr+"/cryo:"+tag, "--bundle="+app.BundleDir(), app.ID())...)
+						cmd = exec.Command(cryo, append(args, ref, "--bundle="+app.BundleDir(), app.ID())...)
 					}
 					before := blobBytes(b, reg.MetricsAddr)
 					rc := app.StartRestoreWith(b, cmd)
@@ -324,8 +350,9 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 			}
 		}
 	}
-	fmt.Println("\n| app memory | link | gofer cold / local cold (target ≤ 1.2) | gofer loaded / naive loaded (target ≤ 1.0) | fuse cold / local cold (target ≤ 1.5) | fuse loaded / naive loaded | naive / gofer cold | cryo warm / local warm (target ≤ 1.2) |")
-	fmt.Println("|--:|---|--:|--:|--:|--:|--:|--:|")
+	fmt.Println("\n| app memory | link | format | gofer cold / local cold (target ≤ 1.2) | gofer loaded / naive loaded (target ≤ 1.0) | fuse cold / local cold (target ≤ 1.5) | fuse loaded / naive loaded | naive / gofer cold | cryo warm / local warm (target ≤ 1.2) |")
+	fmt.Println("|--:|---|---|--:|--:|--:|--:|--:|--:|")
+	formats := strings.Split(*formatFl, ",")
 	for _, mib := range sizes {
 		for _, l := range links {
 			get := func(p string, f func(sample) float64) float64 {
@@ -335,10 +362,16 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 				}
 				return med(s, f)
 			}
-			fmt.Printf("| %d MiB | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", mib, l.Name,
-				get(cryoGofer, running)/get(localCold, running), get(cryoGofer, loaded)/get(naive, loaded),
-				get(cryoCold, running)/get(localCold, running), get(cryoCold, loaded)/get(naive, loaded),
-				get(naive, running)/get(cryoGofer, running), get(cryoWarm, running)/get(localWarm, running))
+			for i, format := range formats {
+				gofer, fuse := cryoGofer, cryoCold
+				if i > 0 {
+					gofer, fuse = gofer+formatSep+format, fuse+formatSep+format
+				}
+				fmt.Printf("| %d MiB | %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", mib, l.Name, format,
+					get(gofer, running)/get(localCold, running), get(gofer, loaded)/get(naive, loaded),
+					get(fuse, running)/get(localCold, running), get(fuse, loaded)/get(naive, loaded),
+					get(naive, running)/get(gofer, running), get(cryoWarm, running)/get(localWarm, running))
+			}
 		}
 	}
 	fmt.Println("\nApp running again: from the start of the restore command (for the naive path, of `oras pull`) until the app's next output line (it prints every 5 ms). Fully loaded: until `runsc wait --restore` returns (as cryo restore reports it; cryo restore then writes the materialized dir for later restores before it exits). Peak RSS and disk writes are the cryo restore process's (getrusage: ru_maxrss, ru_oublock), materializing included; the gofer process's own memory is not in them. Shaped links go through a proxy with a bandwidth shared by all connections and the given round-trip time. Local paths and local disk reads need no registry bytes.")
@@ -350,8 +383,11 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 // path's cryo restore, CRYO_BENCH_GOFER_FLAGS adds flags to it (e.g.
 // "--workers 4"), and CRYO_BENCH_READ_LOG=FILE logs every read of the FUSE
 // path to FILE and of the gofer path to FILE.gofer.
-func pathsFromEnv() []string {
+func pathsFromEnv(formats []string) []string {
 	all := []string{localCold, localWarm, naive, cryoGofer, cryoCold, cryoWarm}
+	for _, f := range formats[1:] {
+		all = append(all, cryoGofer+formatSep+f, cryoCold+formatSep+f)
+	}
 	if os.Getenv("CRYO_BENCH_ONLY") == "" {
 		return all
 	}
