@@ -80,7 +80,13 @@ func (f *pullerFlags) open(ctx context.Context) (*puller.Puller, error) {
 	if pool != nil {
 		opts.Peers = pool
 	}
-	return puller.New(opts)
+	p, err := puller.New(opts)
+	if err != nil {
+		// The pool's resolver runs until closed.
+		f.peer.close()
+		return nil, err
+	}
+	return p, nil
 }
 
 // source resolves ref (a tag at its own registry only) and returns the
