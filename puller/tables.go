@@ -52,7 +52,7 @@ type partTable struct {
 }
 
 // backgroundTableLoads is how many parts' tables a background loads at once.
-const backgroundTableLoads = 8
+const backgroundTableLoads = 4
 
 // newTables returns the tables of snap, loaded from src under ctx (its end
 // stops every load) with fetch failures retried for up to deadline.
