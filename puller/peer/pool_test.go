@@ -162,8 +162,16 @@ func TestRequestChecks(t *testing.T) {
 // first if answer is set, and holds every request until the test ends.
 // It returns the peer's address.
 func stallingPeer(t *testing.T, answer bool) string {
+	addr, _ := countedStallingPeer(t, answer)
+	return addr
+}
+
+// countedStallingPeer is stallingPeer, and counts the requests it holds.
+func countedStallingPeer(t *testing.T, answer bool) (string, *atomic.Int32) {
+	var held atomic.Int32
 	release := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		held.Add(1)
 		if answer {
 			w.WriteHeader(http.StatusOK)
 			w.(http.Flusher).Flush()
@@ -175,7 +183,7 @@ func stallingPeer(t *testing.T, answer bool) string {
 	}))
 	t.Cleanup(srv.Close)
 	t.Cleanup(func() { close(release) })
-	return strings.TrimPrefix(srv.URL, "http://")
+	return strings.TrimPrefix(srv.URL, "http://"), &held
 }
 
 // oneByte is a chunk to ask peers for.
@@ -412,21 +420,9 @@ func TestRefusedRepositoryIsBusy(t *testing.T) {
 // faults that wait for a connection go upstream when their wait ends, but
 // the peer is not blamed (kind "local", not "timeout") and never avoided.
 func TestLocalConnectionWaitIsNotThePeers(t *testing.T) {
-	var inFlight atomic.Int32
-	release := make(chan struct{})
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		inFlight.Add(1)
-		w.WriteHeader(http.StatusOK)
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-		}
-	}))
-	t.Cleanup(srv.Close)
-	t.Cleanup(func() { close(release) })
+	addr, inFlight := countedStallingPeer(t, true)
 	reg := prometheus.NewRegistry()
-	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, UrgentWait: 100 * time.Millisecond,
+	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond,
 		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
 	ctx, cancel := context.WithCancel(context.Background())
 	var holders sync.WaitGroup
