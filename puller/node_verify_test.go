@@ -12,9 +12,9 @@ import (
 )
 
 // chunksOf returns the stored (non-zero) chunks of the mounted file path.
-func chunksOf(m *Mount, path string) []format.Chunk {
+func chunksOf(t testing.TB, m *Mount, path string) []format.Chunk {
+	waitPrepared(t, m)
 	var out []format.Chunk
-	<-m.l.prepared
 	for i, f := range m.files {
 		if f.Path != path {
 			continue
@@ -73,7 +73,7 @@ func TestDamagedCacheChunksRefetched(t *testing.T) {
 	if !ok {
 		t.Fatal("a not materialized")
 	}
-	pages, state := chunksOf(m1, format.PagesFile), chunksOf(m1, "checkpoint.img")
+	pages, state := chunksOf(t, m1, format.PagesFile), chunksOf(t, m1, "checkpoint.img")
 	if len(pages) < 4 || len(state) == 0 {
 		t.Fatalf("%d chunks in pages.img, %d in checkpoint.img: too few to damage", len(pages), len(state))
 	}

@@ -163,8 +163,9 @@ type Source struct {
 }
 
 // profileLookupTimeout bounds a load's profile lookup, which runs beside
-// the loading of its tables: one that has not answered by then is
-// canceled and the load goes on without a profile.
+// the fetching of its small files (a mount) or the loading of its tables
+// (Load): one that has not answered by then is canceled and the load goes
+// on without a profile.
 const profileLookupTimeout = 5 * time.Second
 
 // FUSEAvailable reports whether this node can mount FUSE filesystems.
@@ -224,6 +225,9 @@ type Progress struct {
 // in the background; a node agent calls it to preload a snapshot before any
 // sandbox needs it. It returns the snapshot.
 func (p *Puller) Load(ctx context.Context, src Source) (*format.Snapshot, error) {
+	// Its end stops the table loads that an error left running.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	l, err := p.newLoad(ctx, src, time.Now())
 	if err != nil {
 		return nil, err
@@ -295,7 +299,10 @@ func (p *Puller) newLoad(ctx context.Context, src Source, start time.Time) (*loa
 // prepare loads every chunk table, pins every stored chunk in the node
 // cache and starts the fetch scheduler.
 func (l *load) prepare(ctx context.Context) error {
-	l.useProfile(ctx, l.begin(ctx))
+	found := l.begin(ctx)
+	// Every table loads while the profile is looked up.
+	l.tables.startAll()
+	l.useProfile(ctx, found)
 	return l.prepareTables(ctx)
 }
 
@@ -351,7 +358,8 @@ type foundProfile struct {
 }
 
 // findProfile starts looking up the load's profile (Source.Profile), to
-// run while the chunk tables load; nil if there is nothing to look up.
+// run while the small files or the chunk tables load; nil if there is
+// nothing to look up.
 func (l *load) findProfile(ctx context.Context) <-chan foundProfile {
 	if l.src.Profile == nil {
 		return nil
@@ -410,29 +418,44 @@ func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
 	l.sched.FetchProfile(chunks)
 }
 
+// profileTablesTimeout bounds how long a load waits for the tables of the
+// parts its profile's ranges fall in before it goes on without the
+// profile.
+const profileTablesTimeout = 10 * time.Second
+
 // profileChunks lists the chunks covering ranges, in the ranges' order,
-// each once: the tables of their parts are loaded first.
+// each once: the tables of their parts are loaded first, all at once,
+// for up to profileTablesTimeout.
 func profileChunks(ctx context.Context, t *tables, ranges []profile.Range) ([]format.Chunk, error) {
-	var out []format.Chunk
-	seen := map[digest.Digest]bool{}
+	ctx, cancel := context.WithTimeout(ctx, profileTablesTimeout)
+	defer cancel()
+	type span struct {
+		fi     int
+		off, n int64
+	}
+	var spans []span
 	for _, r := range ranges {
 		for fi, f := range t.snap.Files {
-			if f.Path != r.Path || r.Length <= 0 {
+			if f.Path != r.Path || r.Length <= 0 || r.Offset < 0 {
 				continue
 			}
-			n := min(r.Length, f.Size-r.Offset)
-			if r.Offset < 0 || n <= 0 {
-				continue
+			if n := min(r.Length, f.Size-r.Offset); n > 0 {
+				spans = append(spans, span{fi, r.Offset, n})
+				t.hurrySpan(fi, r.Offset, n)
 			}
-			chunks, err := t.span(ctx, fi, r.Offset, n)
-			if err != nil {
-				return nil, err
-			}
-			for _, c := range chunks {
-				if !seen[c.Digest] {
-					seen[c.Digest] = true
-					out = append(out, c)
-				}
+		}
+	}
+	var out []format.Chunk
+	seen := map[digest.Digest]bool{}
+	for _, sp := range spans {
+		chunks, err := t.span(ctx, sp.fi, sp.off, sp.n)
+		if err != nil {
+			return nil, err
+		}
+		for _, c := range chunks {
+			if !seen[c.Digest] {
+				seen[c.Digest] = true
+				out = append(out, c)
 			}
 		}
 	}
@@ -794,8 +817,14 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 	default:
 		m.rec.Swept()
 	}
-	if m.materialized != "" {
-		return m.readMaterialized(i, p, off)
+	if m.materialized != "" || m.files == nil {
+		// A MountFiles mount of a materialized snapshot reads its dir; a
+		// bind mount (materialized, or eager) reads through its mount point.
+		dir := m.materialized
+		if dir == "" {
+			dir = m.dir
+		}
+		return m.readMaterialized(dir, i, p, off)
 	}
 	src := format.ChunkSource(scheduled{s: m.l.sched, prio: prio})
 	return imagefs.ReadAt(ctx, m.l.p.cache, &m.files[i], p, off, src, &m.fsStats)
@@ -819,14 +848,15 @@ func (m *Mount) fileIndex(path string) (int, bool) {
 	return 0, false
 }
 
-// readMaterialized reads file i of a materialized mount from its
-// materialized dir (written from verified chunks, pinned by the mount).
-func (m *Mount) readMaterialized(i int, p []byte, off int64) error {
+// readMaterialized reads file i of a materialized mount from dir, its
+// materialized dir or a bind mount of it (written from verified chunks,
+// pinned by the mount).
+func (m *Mount) readMaterialized(dir string, i int, p []byte, off int64) error {
 	f := m.l.snap.Files[i]
 	if off < 0 || off+int64(len(p)) > f.Size {
 		return fmt.Errorf("%s: read of %d bytes at %d past its %d bytes", f.Path, len(p), off, f.Size)
 	}
-	fh, err := os.Open(filepath.Join(m.materialized, filepath.FromSlash(f.Path)))
+	fh, err := os.Open(filepath.Join(dir, filepath.FromSlash(f.Path)))
 	if err != nil {
 		return err
 	}

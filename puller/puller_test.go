@@ -643,8 +643,8 @@ func TestRegistryKilledMidLoad(t *testing.T) {
 	chunks := snapshotChunks(t, src)
 	p := newPuller(t, Options{Workers: 2})
 	m := mount(t, p, src)
-	// The chunk tables are in (TestRegistryKilledBeforeTables kills it
-	// before): a read can only wait for chunks.
+	// The chunk tables are in (TestTableOutageThenRecovery has the
+	// registry fail them): a read can only wait for chunks.
 	waitPrepared(t, m)
 	real.Stop()
 	if pr := m.Progress(); pr.LocalBytes >= pr.TotalBytes {

@@ -20,169 +20,207 @@ import (
 //
 // A part's table is fetched from the load's endpoints (format.LoadPart:
 // digests checked against the index, the table against its manifest and
-// the index). A failure to fetch is retried until the deadline, so that a
-// sandbox's read is never failed fast; a table that is invalid (its bytes
-// are what the index names, so it is invalid on every endpoint) fails the
-// reads of its part at once.
+// the index). A fetch that fails is tried again, with backoff, until the
+// deadline of the read (or background load) waiting for it, so that a
+// sandbox's read is never failed fast; a failure that outlives it is not
+// kept, and the next read of the part tries afresh. A table that is
+// invalid (its bytes are what the index names, so it is invalid on every
+// endpoint) fails the reads of its part at once, for good.
 type tables struct {
 	ctx      context.Context
 	src      content.Fetcher
 	snap     *format.Snapshot
 	deadline time.Duration
-	// sem bounds the background's loads in flight; a load a read waits
-	// for takes no slot.
-	sem   chan struct{}
+
+	// mu guards every part's state and the counts; cond is signalled
+	// when a part is hurried, a fetch ends or ctx ends.
+	mu    sync.Mutex
+	cond  *sync.Cond
 	parts [][]*partTable
-	// urgent counts the loads a read waits for that are fetching; the
-	// background starts no fetch while there are any (cond, under mu).
-	mu     sync.Mutex
-	cond   *sync.Cond
-	urgent int
+	// urgent counts the fetches a read waits for, background the others:
+	// the background starts none while urgent > 0, and at most
+	// backgroundTableLoads at once.
+	urgent, background int
 }
 
-// partTable is one part's table, loaded once.
+// partTable is one part's table and its loading.
 type partTable struct {
-	start  sync.Once
-	urgent chan struct{}
-	hurry  sync.Once
-	done   chan struct{}
-	// chunks and err are set before done is closed.
-	chunks []format.Chunk
-	err    error
+	// loading is set while a loader runs; done is closed when it ends.
+	loading bool
+	done    chan struct{}
+	// hurried says a read waits for the part: its fetches start at once.
+	hurried bool
+	// loaded, chunks: the table is in. err: a permanent error. lastErr:
+	// the last loader's error, if it gave up (not kept).
+	loaded  bool
+	chunks  []format.Chunk
+	err     error
+	lastErr error
 }
 
 // backgroundTableLoads is how many parts' tables a background loads at once.
 const backgroundTableLoads = 4
 
 // newTables returns the tables of snap, loaded from src under ctx (its end
-// stops every load) with fetch failures retried for up to deadline.
+// stops every load), each waiter retrying fetch failures for up to
+// deadline.
 func newTables(ctx context.Context, src content.Fetcher, snap *format.Snapshot, deadline time.Duration) *tables {
 	if deadline <= 0 {
 		deadline = 5 * time.Minute
 	}
-	t := &tables{ctx: ctx, src: src, snap: snap, deadline: deadline, sem: make(chan struct{}, backgroundTableLoads), parts: make([][]*partTable, len(snap.Files))}
+	t := &tables{ctx: ctx, src: src, snap: snap, deadline: deadline, parts: make([][]*partTable, len(snap.Files))}
 	t.cond = sync.NewCond(&t.mu)
 	for i, f := range snap.Files {
 		t.parts[i] = make([]*partTable, len(f.Parts))
 		for j := range f.Parts {
-			t.parts[i][j] = &partTable{urgent: make(chan struct{}), done: make(chan struct{})}
+			t.parts[i][j] = &partTable{}
 		}
 	}
-	return t
-}
-
-// part returns the chunks of part pi of file fi, loading its table ahead
-// of the background's if it is not loaded yet.
-func (t *tables) part(ctx context.Context, fi, pi int) ([]format.Chunk, error) {
-	p := t.parts[fi][pi]
-	select {
-	case <-p.done:
-		return p.chunks, p.err
-	default:
-	}
-	t.hurryPart(fi, pi)
-	return t.wait(ctx, fi, pi)
-}
-
-// wait waits for part pi of file fi, started already.
-func (t *tables) wait(ctx context.Context, fi, pi int) ([]format.Chunk, error) {
-	p := t.parts[fi][pi]
-	select {
-	case <-p.done:
-		return p.chunks, p.err
-	case <-ctx.Done():
-		return nil, fmt.Errorf("chunk table of %q part %d: %w", t.snap.Files[fi].Path, pi, ctx.Err())
-	}
-}
-
-// hurryPart starts loading part pi of file fi, if it is not loading yet,
-// ahead of the background's loads.
-func (t *tables) hurryPart(fi, pi int) {
-	p := t.parts[fi][pi]
-	p.hurry.Do(func() {
-		close(p.urgent)
+	// Loaders waiting for their turn give up when ctx ends.
+	context.AfterFunc(ctx, func() {
 		t.mu.Lock()
 		t.cond.Broadcast()
 		t.mu.Unlock()
 	})
-	t.startPart(fi, pi)
+	return t
 }
 
-// startPart starts loading part pi of file fi, once.
-func (t *tables) startPart(fi, pi int) {
+// start starts loading part pi of file fi unless it is loaded, failed for
+// good or loading; hurry marks it as waited for by a read. It returns the
+// running loader's done channel, or nil if the part is loaded or failed
+// for good. t.mu is held.
+func (t *tables) start(fi, pi int, hurry bool) <-chan struct{} {
 	p := t.parts[fi][pi]
-	p.start.Do(func() { go t.loadPart(fi, pi, p) })
+	if hurry && !p.hurried {
+		p.hurried = true
+		t.cond.Broadcast()
+	}
+	if p.loaded || p.err != nil {
+		return nil
+	}
+	if !p.loading {
+		p.loading, p.done = true, make(chan struct{})
+		go t.load(fi, pi, p, time.Now().Add(t.deadline))
+	}
+	return p.done
 }
 
-// loadPart loads one part's table: in a slot of sem and once no read
-// waits for a table unless a read wants this one, retrying fetch failures
-// with backoff until the deadline.
-func (t *tables) loadPart(fi, pi int, p *partTable) {
-	defer close(p.done)
-	select {
-	case t.sem <- struct{}{}:
-		defer func() { <-t.sem }()
-	case <-p.urgent:
-	case <-t.ctx.Done():
-		p.err = t.ctx.Err()
-		return
-	}
-	t.mu.Lock()
-	for t.urgent > 0 && !closedChan(p.urgent) && t.ctx.Err() == nil {
-		t.cond.Wait()
-	}
-	urgent := closedChan(p.urgent)
-	if urgent {
-		t.urgent++
-	}
-	t.mu.Unlock()
-	if urgent {
-		defer func() {
-			t.mu.Lock()
-			t.urgent--
-			t.cond.Broadcast()
+// part returns the chunks of part pi of file fi, loading its table ahead
+// of the background's if it is not loaded yet, for up to the deadline.
+func (t *tables) part(ctx context.Context, fi, pi int) ([]format.Chunk, error) {
+	return t.wait(ctx, fi, pi, true)
+}
+
+// wait waits for part pi of file fi, as a read (hurry) or the background.
+// A loader that gave up (its deadline passed) is started again, until the
+// waiter's own deadline.
+func (t *tables) wait(ctx context.Context, fi, pi int, hurry bool) ([]format.Chunk, error) {
+	until := time.Now().Add(t.deadline)
+	p := t.parts[fi][pi]
+	for {
+		t.mu.Lock()
+		done := t.start(fi, pi, hurry)
+		if done == nil {
+			chunks, err := p.chunks, p.err
 			t.mu.Unlock()
-		}()
+			return chunks, err
+		}
+		t.mu.Unlock()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("chunk table of %q part %d: %w", t.snap.Files[fi].Path, pi, ctx.Err())
+		}
+		t.mu.Lock()
+		gaveUp := !p.loaded && p.err == nil
+		lastErr := p.lastErr
+		t.mu.Unlock()
+		if gaveUp && (!time.Now().Before(until) || ctx.Err() != nil || t.ctx.Err() != nil) {
+			return nil, fmt.Errorf("chunk table of %q part %d: %w", t.snap.Files[fi].Path, pi, lastErr)
+		}
 	}
-	ctx, cancel := context.WithTimeout(t.ctx, t.deadline)
+}
+
+// load loads one part's table until deadline: each fetch waits for its
+// turn (at once if a read waits for the part; else once no read waits for
+// a table and fewer than backgroundTableLoads run), and a failed one is
+// tried again with backoff.
+func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
+	ctx, cancel := context.WithDeadline(t.ctx, deadline)
 	defer cancel()
 	f := &t.snap.Files[fi]
 	wait := 100 * time.Millisecond
+	var err, failed error // failed: the last fetch's own error
 	for {
-		pt, err := format.LoadPart(ctx, t.src, f, pi)
-		if err == nil {
-			p.chunks = pt.Table.Chunks
-			return
+		t.mu.Lock()
+		for !p.hurried && (t.urgent > 0 || t.background >= backgroundTableLoads) && ctx.Err() == nil {
+			t.cond.Wait()
 		}
-		if errors.Is(err, format.ErrInvalid) || errors.Is(err, format.ErrTooLarge) || ctx.Err() != nil {
+		urgent := p.hurried
+		if urgent {
+			t.urgent++
+		} else {
+			t.background++
+		}
+		t.mu.Unlock()
+		var pt *format.PartTable
+		if ctx.Err() == nil {
+			pt, err = format.LoadPart(ctx, t.src, f, pi)
+		} else {
+			err = ctx.Err()
+		}
+		t.mu.Lock()
+		if urgent {
+			t.urgent--
+		} else {
+			t.background--
+		}
+		t.cond.Broadcast()
+		switch {
+		case err == nil:
+			p.loaded, p.chunks = true, pt.Table.Chunks
+		case errors.Is(err, format.ErrInvalid) || errors.Is(err, format.ErrTooLarge):
 			p.err = err
-			return
+		case ctx.Err() != nil:
+			p.lastErr = err
+			if failed != nil {
+				p.lastErr = fmt.Errorf("%w (still failing after %s)", failed, t.deadline)
+			}
+		default:
+			failed = err
+			t.mu.Unlock()
+			select {
+			case <-time.After(wait):
+			case <-ctx.Done():
+			}
+			wait = min(2*wait, 2*time.Second)
+			continue
 		}
-		select {
-		case <-time.After(wait):
-		case <-ctx.Done():
-			p.err = fmt.Errorf("%w (still failing after %s)", err, t.deadline)
-			return
-		}
-		wait = min(2*wait, 2*time.Second)
+		p.loading = false
+		close(p.done)
+		t.mu.Unlock()
+		return
 	}
 }
 
 // hurry starts loading the tables of file fi's parts, ahead of the
 // background's.
 func (t *tables) hurry(fi int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	for pi := range t.parts[fi] {
-		t.hurryPart(fi, pi)
+		t.start(fi, pi, true)
 	}
 }
 
-// closedChan reports whether c is closed.
-func closedChan(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
+// startAll starts loading every part's table (the background's turn).
+func (t *tables) startAll() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for fi := range t.parts {
+		for pi := range t.parts[fi] {
+			t.start(fi, pi, false)
+		}
 	}
 }
 
@@ -192,7 +230,7 @@ func (t *tables) file(ctx context.Context, fi int) ([]format.Chunk, error) {
 	t.hurry(fi)
 	var out []format.Chunk
 	for pi := range t.parts[fi] {
-		c, err := t.wait(ctx, fi, pi)
+		c, err := t.part(ctx, fi, pi)
 		if err != nil {
 			return nil, err
 		}
@@ -208,15 +246,11 @@ func (t *tables) file(ctx context.Context, fi int) ([]format.Chunk, error) {
 // once every part's table is loaded: those no read asked for yet a few
 // at a time.
 func (t *tables) all(ctx context.Context) ([][]format.Chunk, error) {
-	for fi := range t.parts {
-		for pi := range t.parts[fi] {
-			t.startPart(fi, pi)
-		}
-	}
+	t.startAll()
 	out := make([][]format.Chunk, len(t.parts))
 	for fi := range t.parts {
 		for pi := range t.parts[fi] {
-			c, err := t.wait(ctx, fi, pi)
+			c, err := t.wait(ctx, fi, pi, false)
 			if err != nil {
 				return nil, err
 			}
@@ -224,6 +258,21 @@ func (t *tables) all(ctx context.Context) ([][]format.Chunk, error) {
 		}
 	}
 	return out, nil
+}
+
+// hurrySpan starts loading the tables of the parts of file fi that hold
+// [off, off+n), ahead of the background's.
+func (t *tables) hurrySpan(fi int, off, n int64) {
+	f := &t.snap.Files[fi]
+	first, last := f.PartAt(off), f.PartAt(off+n-1)
+	if first < 0 || last < 0 {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for pi := first; pi <= last; pi++ {
+		t.start(fi, pi, true)
+	}
 }
 
 // span returns the chunks of file fi that hold [off, off+n), in offset
@@ -235,6 +284,7 @@ func (t *tables) span(ctx context.Context, fi int, off, n int64) ([]format.Chunk
 	if first < 0 || last < 0 {
 		return nil, fmt.Errorf("%s: no part holds [%d,+%d) of its %d bytes", f.Path, off, n, f.Size)
 	}
+	t.hurrySpan(fi, off, n)
 	var out []format.Chunk
 	for pi := first; pi <= last; pi++ {
 		c, err := t.part(ctx, fi, pi)

@@ -107,8 +107,9 @@ func TestMountReadyBeforeTables(t *testing.T) {
 
 // TestLyingPartTableFailsItsReads serves a pages.img whose chunk table
 // disagrees with the snapshot index only when a read needs it: the mount
-// is ready, the read fails (EIO, never bytes the table made up), and the
-// background load reports the table's error.
+// is ready, the read fails at once (EIO, never bytes the table made up;
+// not retried: no endpoint can serve other bytes), and the background
+// load reports the table's error.
 func TestLyingPartTableFailsItsReads(t *testing.T) {
 	needFUSE(t)
 	r := startReg(t)
@@ -121,10 +122,22 @@ func TestLyingPartTableFailsItsReads(t *testing.T) {
 	// A snapshot index whose pages.img digest is not its table's: pushed
 	// as a new index over the same manifests.
 	idx := lieAboutDigest(t, r, s, snap, format.PagesFile)
-	p := newPuller(t, Options{})
+	// A deadline of an hour: a table retried like a failed fetch would
+	// hold the read far past the wait below.
+	p := newPuller(t, Options{Deadline: time.Hour})
 	m := mount(t, p, idx)
-	if _, err := os.ReadFile(filepath.Join(m.Dir(), format.PagesFile)); err == nil {
-		t.Fatal("read of pages.img through a table that disagrees with the index succeeded")
+	read := make(chan error, 1)
+	go func() {
+		_, err := os.ReadFile(filepath.Join(m.Dir(), format.PagesFile))
+		read <- err
+	}()
+	select {
+	case err := <-read:
+		if err == nil {
+			t.Fatal("read of pages.img through a table that disagrees with the index succeeded")
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("read of pages.img through an invalid table still waits after 60 s: retried as if it could heal")
 	}
 	select {
 	case <-m.Loaded():
@@ -158,4 +171,36 @@ func lieAboutDigest(t *testing.T, r *reg, s Source, snap *format.Snapshot, path 
 		t.Fatal(err)
 	}
 	return Source{Index: desc, Endpoints: s.Endpoints}
+}
+
+// TestTableOutageThenRecovery: the registry fails pages.img's table for
+// longer than the fetch deadline: a read waits the deadline and fails
+// (EIO), and once the registry serves the table again the next read
+// returns the source's bytes (the failure is not kept).
+func TestTableOutageThenRecovery(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	src, s := push(t, r, "app", synth.Random, 8<<20, 5)
+	ctx := context.Background()
+	snap, err := format.LoadSnapshot(ctx, s.Endpoints[0].Store, s.Index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pt, err := format.LoadPart(ctx, s.Endpoints[0].Store, snap.File(format.PagesFile), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.set(func(r *reg) { r.unserved = map[string]bool{pt.Manifest.Config.Digest.String(): true} })
+	p := newPuller(t, Options{Deadline: time.Second})
+	m := mount(t, p, s)
+	pages := filepath.Join(m.Dir(), format.PagesFile)
+	if _, err := os.ReadFile(pages); err == nil {
+		t.Fatal("read of pages.img succeeded while its chunk table was not served")
+	}
+	r.set(func(r *reg) { r.unserved = nil })
+	got, err := os.ReadFile(pages)
+	want, _ := os.ReadFile(filepath.Join(src, format.PagesFile))
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read of pages.img once its table is served again: %d bytes, %v", len(got), err)
+	}
 }
