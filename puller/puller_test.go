@@ -569,6 +569,12 @@ func TestEagerFallbackWithoutFUSE(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatal("pages.img differs")
 	}
+	// The file API (the daemon hands any mount to a checkpoint gofer)
+	// reads an eager mount through its bind mount.
+	part := make([]byte, 4096)
+	if err := m.ReadAt(context.Background(), format.PagesFile, part, 1<<20, fetch.Read); err != nil || !bytes.Equal(part, want[1<<20:1<<20+4096]) {
+		t.Fatalf("ReadAt of an eager mount: %v", err)
+	}
 }
 
 // staticProfile finds one profile.
