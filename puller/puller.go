@@ -299,11 +299,17 @@ func (p *Puller) newLoad(ctx context.Context, src Source, start time.Time) (*loa
 // prepare loads every chunk table, pins every stored chunk in the node
 // cache and starts the fetch scheduler.
 func (l *load) prepare(ctx context.Context) error {
-	found := l.begin(ctx)
-	// Every table loads while the profile is looked up.
-	l.tables.startAll()
-	l.useProfile(ctx, found)
+	l.beginAll(ctx, ctx)
 	return l.prepareTables(ctx)
+}
+
+// beginAll is begin (under ctx) for a load that wants every table at
+// once: they start loading while the profile is looked up and its chunks
+// queued (useProfile, waiting under wait).
+func (l *load) beginAll(ctx, wait context.Context) {
+	found := l.begin(ctx)
+	l.tables.startAll()
+	l.useProfile(wait, found)
 }
 
 // begin starts the load's fetch scheduler and looks its profile up (in
@@ -712,7 +718,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	if !files && (p.opts.NoFUSE || !FUSEAvailable()) {
 		p.opts.Logger.Warn("FUSE unavailable: pulling the whole snapshot before restore", "snapshot", src.Index.Digest)
 		m.mode = "eager"
-		l.useProfile(ctx, l.begin(bg))
+		l.beginAll(bg, ctx)
 		all := make([]int, len(l.snap.Files))
 		for i := range all {
 			all[i] = i

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
@@ -33,7 +34,7 @@ type tables struct {
 	deadline time.Duration
 
 	// mu guards every part's state and the counts; cond is signalled
-	// when a part is hurried, a fetch ends or ctx ends.
+	// when a part is hurried, a fetch ends or a loader's context ends.
 	mu    sync.Mutex
 	cond  *sync.Cond
 	parts [][]*partTable
@@ -50,10 +51,10 @@ type partTable struct {
 	done    chan struct{}
 	// hurried says a read waits for the part: its fetches start at once.
 	hurried bool
-	// loaded, chunks: the table is in. err: a permanent error. lastErr:
-	// the last loader's error, if it gave up (not kept).
-	loaded  bool
-	chunks  []format.Chunk
+	// chunks is set, once, when the table is in: read without mu, so
+	// that reads of a loaded part take no lock. err: a permanent error.
+	// lastErr: the last loader's error, if it gave up (not kept).
+	chunks  atomic.Pointer[[]format.Chunk]
 	err     error
 	lastErr error
 }
@@ -76,13 +77,15 @@ func newTables(ctx context.Context, src content.Fetcher, snap *format.Snapshot, 
 			t.parts[i][j] = &partTable{}
 		}
 	}
-	// Loaders waiting for their turn give up when ctx ends.
-	context.AfterFunc(ctx, func() {
-		t.mu.Lock()
-		t.cond.Broadcast()
-		t.mu.Unlock()
-	})
 	return t
+}
+
+// loaded returns the chunks of part pi of file fi if its table is in.
+func (t *tables) loaded(fi, pi int) ([]format.Chunk, bool) {
+	if c := t.parts[fi][pi].chunks.Load(); c != nil {
+		return *c, true
+	}
+	return nil, false
 }
 
 // start starts loading part pi of file fi unless it is loaded, failed for
@@ -95,7 +98,7 @@ func (t *tables) start(fi, pi int, hurry bool) <-chan struct{} {
 		p.hurried = true
 		t.cond.Broadcast()
 	}
-	if p.loaded || p.err != nil {
+	if p.chunks.Load() != nil || p.err != nil {
 		return nil
 	}
 	if !p.loading {
@@ -115,15 +118,21 @@ func (t *tables) part(ctx context.Context, fi, pi int) ([]format.Chunk, error) {
 // A loader that gave up (its deadline passed) is started again, until the
 // waiter's own deadline.
 func (t *tables) wait(ctx context.Context, fi, pi int, hurry bool) ([]format.Chunk, error) {
+	if c, ok := t.loaded(fi, pi); ok {
+		return c, nil
+	}
 	until := time.Now().Add(t.deadline)
 	p := t.parts[fi][pi]
 	for {
 		t.mu.Lock()
 		done := t.start(fi, pi, hurry)
 		if done == nil {
-			chunks, err := p.chunks, p.err
+			err := p.err
 			t.mu.Unlock()
-			return chunks, err
+			if c, ok := t.loaded(fi, pi); ok {
+				return c, nil
+			}
+			return nil, err
 		}
 		t.mu.Unlock()
 		select {
@@ -132,7 +141,7 @@ func (t *tables) wait(ctx context.Context, fi, pi int, hurry bool) ([]format.Chu
 			return nil, fmt.Errorf("chunk table of %q part %d: %w", t.snap.Files[fi].Path, pi, ctx.Err())
 		}
 		t.mu.Lock()
-		gaveUp := !p.loaded && p.err == nil
+		gaveUp := p.chunks.Load() == nil && p.err == nil
 		lastErr := p.lastErr
 		t.mu.Unlock()
 		if gaveUp && (!time.Now().Before(until) || ctx.Err() != nil || t.ctx.Err() != nil) {
@@ -148,6 +157,12 @@ func (t *tables) wait(ctx context.Context, fi, pi int, hurry bool) ([]format.Chu
 func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 	ctx, cancel := context.WithDeadline(t.ctx, deadline)
 	defer cancel()
+	// A loader waiting for its turn gives up when ctx ends.
+	defer context.AfterFunc(ctx, func() {
+		t.mu.Lock()
+		t.cond.Broadcast()
+		t.mu.Unlock()
+	})()
 	f := &t.snap.Files[fi]
 	wait := 100 * time.Millisecond
 	var err, failed error // failed: the last fetch's own error
@@ -178,7 +193,7 @@ func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 		t.cond.Broadcast()
 		switch {
 		case err == nil:
-			p.loaded, p.chunks = true, pt.Table.Chunks
+			p.chunks.Store(&pt.Table.Chunks)
 		case errors.Is(err, format.ErrInvalid) || errors.Is(err, format.ErrTooLarge):
 			p.err = err
 		case ctx.Err() != nil:
@@ -284,7 +299,9 @@ func (t *tables) span(ctx context.Context, fi int, off, n int64) ([]format.Chunk
 	if first < 0 || last < 0 {
 		return nil, fmt.Errorf("%s: no part holds [%d,+%d) of its %d bytes", f.Path, off, n, f.Size)
 	}
-	t.hurrySpan(fi, off, n)
+	if _, ok := t.loaded(fi, first); !ok || first != last {
+		t.hurrySpan(fi, off, n)
+	}
 	var out []format.Chunk
 	for pi := first; pi <= last; pi++ {
 		c, err := t.part(ctx, fi, pi)
