@@ -115,8 +115,9 @@ func (r extendedRepository) Manifests(ctx context.Context, options ...distributi
 }
 
 // recordingManifests records, for every manifest stored, its subject
-// (referrers) and, for a cryo file manifest, its verified chunks (chunk
-// index); and drops a deleted manifest's referrer entry.
+// (referrers), for a cryo file manifest its verified chunks (chunk index),
+// and for a v2 snapshot index that it is the repository's latest (bases);
+// and drops a deleted manifest's entries.
 type recordingManifests struct {
 	distribution.ManifestService
 	repo string
@@ -144,6 +145,9 @@ func (m recordingManifests) Put(ctx context.Context, manifest distribution.Manif
 	if err := m.s.chunks.IndexManifest(rctx, m.repo, payload); err != nil {
 		m.s.log.Error("index chunks", "repository", m.repo, "digest", d, "err", err)
 	}
+	if err := m.s.bases.Record(rctx, m.repo, d, payload); err != nil {
+		m.s.log.Error("record latest v2 snapshot", "repository", m.repo, "digest", d, "err", err)
+	}
 	return d, nil
 }
 
@@ -159,6 +163,9 @@ func (m recordingManifests) Delete(ctx context.Context, d digest.Digest) error {
 		if err := m.s.refs.Forget(context.WithoutCancel(ctx), m.repo, d, payload); err != nil {
 			m.s.log.Error("drop referrer", "repository", m.repo, "digest", d, "err", err)
 		}
+	}
+	if err := m.s.bases.Forget(context.WithoutCancel(ctx), m.repo, d); err != nil {
+		m.s.log.Error("drop latest v2 snapshot", "repository", m.repo, "digest", d, "err", err)
 	}
 	return nil
 }

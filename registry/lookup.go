@@ -161,3 +161,29 @@ func (s *Server) handleCompose(w http.ResponseWriter, r *http.Request) {
 	}
 	json.NewEncoder(w).Encode(resp)
 }
+
+// handleBase answers GET /v2/<name>/_cryo/base (SPEC.md 12.6): the format
+// v2 snapshot index stored last in the repository, for a push to a tag
+// that names nothing yet. The caller needs pull access to it; a mirror
+// keeps no such record.
+func (s *Server) handleBase(w http.ResponseWriter, r *http.Request) {
+	repo := mux.Vars(r)["name"]
+	if s.mirrorOf != "" {
+		writeRegistryError(w, http.StatusNotFound, "UNSUPPORTED", "a mirror records no latest snapshots")
+		return
+	}
+	if !s.authorize(w, r, repo, "pull") {
+		return
+	}
+	desc, ok, err := s.bases.Latest(r.Context(), repo)
+	if err != nil {
+		writeRegistryError(w, http.StatusInternalServerError, "UNKNOWN", err.Error())
+		return
+	}
+	if !ok {
+		writeRegistryError(w, http.StatusNotFound, "MANIFEST_UNKNOWN", "no format v2 snapshot stored in "+repo)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(desc)
+}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/bases"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/cryo-oci/cryo/registry/maintenance"
@@ -77,6 +78,7 @@ type Server struct {
 	chunks   *chunkindex.Index
 	codec    *format.Codec
 	refs     *referrers.Store
+	bases    *bases.Store
 	metrics  *metrics
 	handler  http.Handler
 	mirrorOf string
@@ -133,6 +135,7 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	}
 	s.chunks = chunkindex.New(s.driver, s.ns, s.codec, chunkindex.Options{Logger: opts.Logger, OnVerify: s.metrics.chunkVerified})
 	s.refs = referrers.New(s.driver, s.ns)
+	s.bases = bases.New(s.driver, s.ns)
 	var redis *configuration.Redis
 	if maintenance.UsesRedisCache(cfg) {
 		redis = &cfg.Redis
@@ -194,6 +197,7 @@ func (s *Server) routes() http.Handler {
 	r.HandleFunc("/v2/_cryo/chunks/{digest}", s.handleChunkLookup).Methods(http.MethodGet)
 	r.HandleFunc("/v2/_cryo/chunks", s.handleChunkBatch).Methods(http.MethodPost)
 	r.HandleFunc(api.PacksPath, s.handleCompose).Methods(http.MethodPost)
+	r.HandleFunc("/v2/{name:"+reference.NameRegexp.String()+"}"+api.BaseSuffix, s.handleBase).Methods(http.MethodGet)
 	r.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }).Methods(http.MethodGet)
 	r.HandleFunc("/readyz", s.handleReady).Methods(http.MethodGet)
 	r.HandleFunc(distributionPath(v2.RouteNameBlob), s.handleBlob).Methods(http.MethodGet, http.MethodHead)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/api"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"oras.land/oras-go/v2/errdef"
 	"oras.land/oras-go/v2/registry/remote"
@@ -28,7 +29,8 @@ type PushOptions struct {
 	// Base names (by tag or digest) a format v2 snapshot in the same
 	// repository whose packs the new one may reference, storing only the
 	// chunks the base lacks. Empty: the tag pushed to, if it names a v2
-	// snapshot. Only for Pack.Format V2.
+	// snapshot, else the v2 snapshot the registry stored last in the
+	// repository (SPEC.md 12.6). Only for Pack.Format V2.
 	Base string
 	// NoBase turns the base off: every chunk goes into new packs.
 	NoBase bool
@@ -70,11 +72,14 @@ func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, 
 	return res, nil
 }
 
-// useBase sets popts' resolver to the frames of the base snapshot opts
-// names (or the one tag names now) for a format v2 push, and returns the
-// base's descriptor, or nil if there is none. A base is only ever taken
-// from the repository pushed to: a pack holds other chunks of the
-// snapshot it was made for, and the new snapshot's readers may read
+// useBase sets popts' resolver to the frames of the base snapshot of a
+// format v2 push and returns the base's descriptor, or nil if there is
+// none. The base is the snapshot opts.Base names; by default, the v2
+// snapshot tag names now, else the v2 snapshot the registry says it stored
+// last in the repository (SPEC.md 12.6), so that a pause pushed under a
+// new tag still references the packs of the one before. A base is only
+// ever taken from the repository pushed to: a pack holds other chunks of
+// the snapshot it was made for, and the new snapshot's readers may read
 // every pack it lists.
 func useBase(ctx context.Context, repo *remote.Repository, tag string, opts PushOptions, popts *format.PackOptions) (*ocispec.Descriptor, error) {
 	if popts.Format != format.V2 || opts.NoBase {
@@ -83,39 +88,57 @@ func useBase(ctx context.Context, repo *remote.Repository, tag string, opts Push
 		}
 		return nil, nil
 	}
-	ref := opts.Base
-	if ref == "" {
-		ref = tag
+	if opts.Base != "" {
+		if strings.Contains(opts.Base, "/") {
+			return nil, fmt.Errorf("base %q: name a tag or digest of %s only: packs are never shared across repositories", opts.Base, repo.Reference.Repository)
+		}
+		desc, err := repo.Resolve(ctx, opts.Base)
+		if err != nil {
+			return nil, explain(fmt.Errorf("base %s: %w", opts.Base, err), repo)
+		}
+		snap, err := format.LoadSnapshot(ctx, repo, desc)
+		if err != nil {
+			return nil, fmt.Errorf("base %s: %w", opts.Base, err)
+		}
+		if snap.Version != format.V2 {
+			return nil, fmt.Errorf("base %s is a format %s snapshot: only v2 packs can be reused", opts.Base, snap.Version)
+		}
+		return loadBase(ctx, repo, desc, snap, opts.Base, popts)
 	}
-	if ref == "" {
+	// The default: whatever fails here just means no base (a first push).
+	if tag != "" && !strings.Contains(tag, "/") {
+		if desc, err := repo.Resolve(ctx, tag); err == nil {
+			if snap, err := format.LoadSnapshot(ctx, repo, desc); err == nil && snap.Version == format.V2 {
+				return loadBase(ctx, repo, desc, snap, tag, popts)
+			}
+		} else if !errors.Is(err, errdef.ErrNotFound) {
+			return nil, explain(fmt.Errorf("base %s: %w", tag, err), repo)
+		}
+	}
+	if opts.NoChunkIndex {
 		return nil, nil
 	}
-	if strings.Contains(ref, "/") {
-		return nil, fmt.Errorf("base %q: name a tag or digest of %s only: packs are never shared across repositories", ref, repo.Reference.Repository)
-	}
-	desc, err := repo.Resolve(ctx, ref)
+	desc, err := api.LatestSnapshot(ctx, repo.Client, BaseURL(repo), repo.Reference.Repository)
 	if err != nil {
-		if opts.Base == "" && errors.Is(err, errdef.ErrNotFound) {
-			return nil, nil // a first push to tag
-		}
-		return nil, explain(fmt.Errorf("base %s: %w", ref, err), repo)
+		return nil, nil
 	}
 	snap, err := format.LoadSnapshot(ctx, repo, desc)
-	if err != nil {
-		if opts.Base == "" {
-			return nil, nil // the tag names something else: no base
-		}
-		return nil, fmt.Errorf("base %s: %w", ref, err)
-	}
-	if snap.Version != format.V2 {
-		if opts.Base != "" {
-			return nil, fmt.Errorf("base %s is a format %s snapshot: only v2 packs can be reused", ref, snap.Version)
-		}
+	if err != nil || snap.Version != format.V2 {
 		return nil, nil
 	}
+	base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts)
+	if err != nil {
+		return nil, nil
+	}
+	return base, nil
+}
+
+// loadBase loads the tables of snap (of desc, named name) and makes them
+// popts' resolver.
+func loadBase(ctx context.Context, repo *remote.Repository, desc ocispec.Descriptor, snap *format.Snapshot, name string, popts *format.PackOptions) (*ocispec.Descriptor, error) {
 	tables, err := format.LoadTables(ctx, repo, snap)
 	if err != nil {
-		return nil, fmt.Errorf("base %s: %w", ref, err)
+		return nil, fmt.Errorf("base %s: %w", name, err)
 	}
 	popts.Resolver = format.NewTableResolver(tables)
 	return &desc, nil

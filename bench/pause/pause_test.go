@@ -1,13 +1,20 @@
 // Package pause benchmarks a sandbox's pause: the time from "checkpoint
-// it" until the snapshot is pullable from the registry, for `cryo
-// checkpoint` (checkpoint and push in one, through cryo's gofer, nothing of
-// the memory on local disk) against what users do without it, `runsc
-// checkpoint` to a local image dir and then `cryo push`, for a first and a
+// it" until the snapshot is pullable from the registry, for a first and a
 // second checkpoint of one running app (10% of its memory rewritten in
-// between). Each way pushes to a registry of its own, so that neither
-// dedupes against the other's uploads.
+// between, in 1 MiB runs). The ways, each pushing into a registry of its
+// own so that none dedupes against another's uploads:
 //
-//	go test ./bench/pause -run '^$' -bench Pause -benchtime 1x -sizes 256,1024
+//   - what users do without cryo: `runsc checkpoint` to a local image dir,
+//     then `oras push` of its files;
+//   - `runsc checkpoint` to disk, then `cryo push`, in each format of
+//     -format;
+//   - `cryo checkpoint` (checkpoint and push in one, through cryo's gofer,
+//     nothing of the memory on local disk), in each format of -format.
+//
+// It also reports the storage each second push adds to its registry, as a
+// share of what the first stored (issue 12's "real-app pair").
+//
+//	go test ./bench/pause -run '^$' -bench Pause -benchtime 1x -sizes 256,512,1024 -format v1,v2
 package pause
 
 import (
@@ -15,6 +22,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,25 +36,44 @@ import (
 	"github.com/cryo-oci/cryo/internal/testenv"
 )
 
-var sizesFlag = flag.String("sizes", "256,1024", "app memory sizes in MiB")
+var (
+	sizesFlag  = flag.String("sizes", "256,1024", "app memory sizes in MiB")
+	formatFlag = flag.String("format", "v1", "comma-separated snapshot formats of cryo push and cryo checkpoint")
+)
 
-type pause struct {
-	toDisk, push, cryo    float64 // seconds
-	naiveBytes, cryoBytes int64   // uploaded
-	logical               int64
+// way is one path from a running app to a pullable snapshot, with its own
+// registry.
+type way struct {
+	name string
+	reg  *testenv.Registry
+}
+
+// result is one way's pause of one checkpoint.
+type result struct {
+	seconds  float64 // the push (or the checkpoint and push, for cryo checkpoint)
+	uploaded int64   // bytes the client reports uploaded (0 for oras)
+	stored   int64   // bytes the registry's blob store grew by
 }
 
 func BenchmarkPause(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
-	cryo := testenv.Tool(b, "cryo")
+	cryo, oras := testenv.Tool(b, "cryo"), testenv.Tool(b, "oras")
 	goferDir := gvisortest.GoferDir(b)
-	regNaive, regCryo := testenv.StartRegistry(b, ""), testenv.StartRegistry(b, "")
 	b.Setenv("DOCKER_CONFIG", b.TempDir())
+	formats := strings.Split(*formatFlag, ",")
+	orasWay := way{name: "oras push", reg: testenv.StartRegistry(b, "")}
+	pushWays, ckptWays := map[string]way{}, map[string]way{}
+	for _, f := range formats {
+		pushWays[f] = way{name: "cryo push " + f, reg: testenv.StartRegistry(b, "")}
+		ckptWays[f] = way{name: "cryo checkpoint " + f, reg: testenv.StartRegistry(b, "")}
+	}
 	type row struct {
-		mib  int
-		n    int
-		p    pause
-		hash float64
+		mib, n int
+		toDisk float64
+		hash   float64
+		oras   result
+		push   map[string]result
+		ckpt   map[string]result
 	}
 	var rows []row
 	for _, s := range strings.Split(*sizesFlag, ",") {
@@ -56,65 +83,190 @@ func BenchmarkPause(b *testing.B) {
 		}
 		app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib})
 		app.NextCount(b)
+		repo := fmt.Sprintf("app%d", mib)
 		for n := 1; n <= 2; n++ {
 			if n == 2 {
 				app.Rewrite(b)
 			}
-			var p pause
+			r := row{mib: mib, n: n, push: map[string]result{}, ckpt: map[string]result{}}
 			img := filepath.Join(b.TempDir(), "img")
 			t0 := time.Now()
-			run(b, runsc, append(app.Flags(), "checkpoint", "--leave-running", "--image-path="+img, app.ID())...)
-			p.toDisk = time.Since(t0).Seconds()
-			t0 = time.Now()
-			var res struct {
-				Stats struct {
-					LogicalBytes  int64 `json:"logicalBytes"`
-					UploadedBytes int64 `json:"uploadedBytes"`
-				} `json:"stats"`
+			run(b, "", runsc, append(app.Flags(), "checkpoint", "--leave-running", "--image-path="+img, app.ID())...)
+			r.toDisk = time.Since(t0).Seconds()
+
+			r.oras = measure(b, orasWay.reg, func() int64 {
+				run(b, img, oras, append([]string{"push", "--plain-http", fmt.Sprintf("%s/%s:%d", orasWay.reg.Addr, repo, n)}, files(b, img)...)...)
+				return 0
+			})
+			for _, f := range formats {
+				reg := pushWays[f].reg
+				r.push[f] = measure(b, reg, func() int64 {
+					return uploaded(b, run(b, "", cryo, "push", "--json", "--format", f, img, fmt.Sprintf("%s/%s:%d", reg.Addr, repo, n)))
+				})
 			}
-			decode(b, run(b, cryo, "push", "--json", img, fmt.Sprintf("%s/app:%d", regNaive.Addr, n)), &res)
-			p.push = time.Since(t0).Seconds()
-			p.naiveBytes, p.logical = res.Stats.UploadedBytes, res.Stats.LogicalBytes
 			pages, err := os.ReadFile(filepath.Join(img, "pages.img"))
 			if err != nil {
 				b.Fatal(err)
 			}
 			os.RemoveAll(img)
 
-			args := []string{"checkpoint", "--json", "--leave-running", "--runsc", runsc, "--gofer-dir", goferDir}
-			if prof := os.Getenv("CRYO_BENCH_CPUPROFILE"); prof != "" {
-				// For investigations: profile each cryo checkpoint.
-				args = append(args, "--cpuprofile", fmt.Sprintf("%s.%d-%d", prof, mib, n))
+			for _, f := range formats {
+				reg := ckptWays[f].reg
+				args := []string{"checkpoint", "--json", "--leave-running", "--format", f, "--runsc", runsc, "--gofer-dir", goferDir}
+				if prof := os.Getenv("CRYO_BENCH_CPUPROFILE"); prof != "" {
+					// For investigations: profile each cryo checkpoint.
+					args = append(args, "--cpuprofile", fmt.Sprintf("%s.%d-%d-%s", prof, mib, n, f))
+				}
+				for _, fl := range app.Flags() {
+					args = append(args, "--runsc-flag="+fl)
+				}
+				r.ckpt[f] = measure(b, reg, func() int64 {
+					return uploaded(b, run(b, "", cryo, append(args, app.ID(), fmt.Sprintf("%s/%s:%d", reg.Addr, repo, n))...))
+				})
 			}
-			for _, f := range app.Flags() {
-				args = append(args, "--runsc-flag="+f)
-			}
-			t0 = time.Now()
-			decode(b, run(b, cryo, append(args, app.ID(), fmt.Sprintf("%s/app:%d", regCryo.Addr, n))...), &res)
-			p.cryo = time.Since(t0).Seconds()
-			p.cryoBytes = res.Stats.UploadedBytes
 
 			// The floor on this machine: one core hashing every byte.
 			t0 = time.Now()
 			sha256.Sum256(pages)
-			rows = append(rows, row{mib, n, p, time.Since(t0).Seconds()})
-			fmt.Fprintf(os.Stderr, "%d MiB checkpoint %d: runsc to disk %.2fs + cryo push %.2fs (%d B up); cryo checkpoint %.2fs (%d B up)\n", mib, n, p.toDisk, p.push, p.naiveBytes, p.cryo, p.cryoBytes)
+			r.hash = time.Since(t0).Seconds()
+			rows = append(rows, r)
+			fmt.Fprintf(os.Stderr, "%d MiB checkpoint %d: runsc to disk %.2fs, oras push %.2fs, cryo push %v, cryo checkpoint %v\n", mib, n, r.toDisk, r.oras.seconds, r.push, r.ckpt)
 		}
 	}
-	fmt.Printf("\n`go test ./bench/pause -run '^$' -bench Pause -benchtime 1x -sizes %s`: GOMAXPROCS=%d, %s, %s; loopback registries (cryo registry serve), one per way\n\n",
-		*sizesFlag, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
-	fmt.Println("| app memory | checkpoint | runsc checkpoint to disk | + cryo push | = pullable after | cryo checkpoint | cryo / (to disk + push) | cryo / to disk alone (target ≤ 1.5 for the second at 1 GiB) | uploaded: push / cryo checkpoint | sha256 of pages.img, one core |")
-	fmt.Println("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+	fmt.Printf("\n`go test ./bench/pause -run '^$' -bench Pause -benchtime 1x -sizes %s -format %s`: GOMAXPROCS=%d, %s, %s; loopback registries (cryo registry serve), one per way\n\n",
+		*sizesFlag, *formatFlag, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
+	label := map[int]string{1: "first", 2: "second (10% rewritten)"}
+
+	fmt.Println("Push alone, after `runsc checkpoint` to disk (issue 12: cryo push of the second checkpoint ≤ 1.0x oras push):")
+	fmt.Println()
+	head, sep := "| app memory | checkpoint | runsc checkpoint to disk | oras push |", "|--:|--:|--:|--:|"
+	for _, f := range formats {
+		head += fmt.Sprintf(" cryo push %s | / oras |", f)
+		sep += "--:|--:|"
+	}
+	fmt.Println(head + " sha256 of pages.img, one core |")
+	fmt.Println(sep + "--:|")
 	for _, r := range rows {
-		p := r.p
-		fmt.Printf("| %d MiB | %s | %.2f s | %.2f s | %.2f s | %.2f s | %.2f | %.2f | %.1f / %.1f MiB | %.2f s |\n", r.mib, map[int]string{1: "first", 2: "second (10% rewritten)"}[r.n],
-			p.toDisk, p.push, p.toDisk+p.push, p.cryo, p.cryo/(p.toDisk+p.push), p.cryo/p.toDisk, float64(p.naiveBytes)/(1<<20), float64(p.cryoBytes)/(1<<20), r.hash)
+		line := fmt.Sprintf("| %d MiB | %s | %.2f s | %.2f s |", r.mib, label[r.n], r.toDisk, r.oras.seconds)
+		for _, f := range formats {
+			line += fmt.Sprintf(" %.2f s | %.2f |", r.push[f].seconds, r.push[f].seconds/r.oras.seconds)
+		}
+		fmt.Printf("%s %.2f s |\n", line, r.hash)
+	}
+
+	fmt.Println()
+	fmt.Println("Storage each push added to its registry's blob store (second: as a share of the first's; issue 12: ≤ 15% for v2 on this pair):")
+	fmt.Println()
+	head, sep = "| app memory | checkpoint | oras push |", "|--:|--:|--:|"
+	for _, f := range formats {
+		head += fmt.Sprintf(" cryo push %s |", f)
+		sep += "--:|"
+	}
+	fmt.Println(head)
+	fmt.Println(sep)
+	first := map[int]row{}
+	for _, r := range rows {
+		if r.n == 1 {
+			first[r.mib] = r
+		}
+		share := func(now, then result) string {
+			if r.n == 1 {
+				return fmt.Sprintf("%.1f MiB", float64(now.stored)/(1<<20))
+			}
+			return fmt.Sprintf("%.1f MiB (%.1f%%)", float64(now.stored)/(1<<20), 100*float64(now.stored)/float64(then.stored))
+		}
+		line := fmt.Sprintf("| %d MiB | %s | %s |", r.mib, label[r.n], share(r.oras, first[r.mib].oras))
+		for _, f := range formats {
+			line += " " + share(r.push[f], first[r.mib].push[f]) + " |"
+		}
+		fmt.Println(line)
+	}
+
+	fmt.Println()
+	fmt.Println("Pullable after: `runsc checkpoint` to disk + `cryo push` against `cryo checkpoint` (issue 15: the second at 1 GiB ≤ 1.5x runsc checkpoint to disk alone):")
+	fmt.Println()
+	fmt.Println("| app memory | checkpoint | format | to disk + cryo push | cryo checkpoint | / (to disk + push) | / to disk alone | uploaded: push / checkpoint |")
+	fmt.Println("|--:|--:|--:|--:|--:|--:|--:|--:|")
+	for _, r := range rows {
+		for _, f := range formats {
+			p, c := r.push[f], r.ckpt[f]
+			fmt.Printf("| %d MiB | %s | %s | %.2f s | %.2f s | %.2f | %.1f | %.1f / %.1f MiB |\n", r.mib, label[r.n], f,
+				r.toDisk+p.seconds, c.seconds, c.seconds/(r.toDisk+p.seconds), c.seconds/r.toDisk, float64(p.uploaded)/(1<<20), float64(c.uploaded)/(1<<20))
+		}
 	}
 }
 
-func run(b *testing.B, bin string, args ...string) []byte {
+// measure times push, which returns the bytes it reports uploaded, and how
+// much reg's blob store grew meanwhile.
+func measure(b *testing.B, reg *testenv.Registry, push func() int64) result {
+	b.Helper()
+	before := blobBytes(b, reg.Root)
+	t0 := time.Now()
+	up := push()
+	return result{seconds: time.Since(t0).Seconds(), uploaded: up, stored: blobBytes(b, reg.Root) - before}
+}
+
+// blobBytes is the size of the blobs a registry (distribution's filesystem
+// driver under root) stores.
+func blobBytes(b *testing.B, root string) int64 {
+	b.Helper()
+	var n int64
+	dir := filepath.Join(root, "docker", "registry", "v2", "blobs")
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			if os.IsNotExist(err) && path == dir {
+				return filepath.SkipDir
+			}
+			return err
+		}
+		if d.Type().IsRegular() {
+			info, err := d.Info()
+			if err != nil {
+				return err
+			}
+			n += info.Size()
+		}
+		return nil
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return n
+}
+
+// files lists the regular files of an image dir, relative to it.
+func files(b *testing.B, dir string) []string {
+	b.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		if e.Type().IsRegular() {
+			names = append(names, e.Name())
+		}
+	}
+	return names
+}
+
+func uploaded(b *testing.B, out []byte) int64 {
+	b.Helper()
+	var res struct {
+		Stats struct {
+			UploadedBytes int64 `json:"uploadedBytes"`
+		} `json:"stats"`
+	}
+	if err := json.Unmarshal(out, &res); err != nil {
+		b.Fatalf("%v: %s", err, out)
+	}
+	return res.Stats.UploadedBytes
+}
+
+func run(b *testing.B, dir, bin string, args ...string) []byte {
 	b.Helper()
 	cmd := exec.Command(bin, args...)
+	cmd.Dir = dir
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -122,11 +274,4 @@ func run(b *testing.B, bin string, args ...string) []byte {
 		b.Fatalf("%s %s: %v\n%s", bin, strings.Join(args, " "), err, stderr.String())
 	}
 	return out
-}
-
-func decode(b *testing.B, data []byte, v any) {
-	b.Helper()
-	if err := json.Unmarshal(data, v); err != nil {
-		b.Fatalf("%v: %s", err, data)
-	}
 }

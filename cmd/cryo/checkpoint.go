@@ -83,7 +83,7 @@ checks before it starts runsc. Credentials: as cryo push.`,
 	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
-	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (v1) or have it compose packs (v2): HEAD each blob, upload what is missing")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not use cryo's registry extensions: no chunk index lookups (v1), no pack composition and no latest-snapshot base (v2); HEAD each blob, upload what is missing")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }

@@ -42,7 +42,7 @@ type formatOptions struct {
 func (o *formatOptions) register(cmd *cobra.Command, withBase bool) {
 	cmd.Flags().StringVar(&o.version, "format", "v1", `snapshot format: v1 (a blob per 1 MiB chunk, read by every cryo) or v2 (64 KiB chunks in 4 MiB packs read by byte range: dedups a second checkpoint of the same app far better; needs cryo with format v2 to read)`)
 	if withBase {
-		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now)")
+		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now, else the v2 snapshot the registry stored last in the repository)")
 		cmd.Flags().BoolVar(&o.noBase, "no-base", false, "v2: reference no earlier snapshot's packs; store every chunk anew")
 	}
 }

@@ -30,9 +30,11 @@ The snapshot index is pushed last and tagged, so an interrupted push leaves no
 visible snapshot; pushing again uploads only what is still missing.
 
 With --format v2, chunks are small (64 KiB mean) and new ones go into 4 MiB
-packs; chunks an earlier v2 snapshot of the same repository holds (--base,
-default: the snapshot the tag names now) are referenced where they lie, so a
-second checkpoint of the same app uploads little more than what changed.
+packs; chunks an earlier v2 snapshot of the same repository holds (--base;
+by default the snapshot the tag names now, else, on cryo's registry, the v2
+snapshot pushed last to the repository) are referenced where they lie, so a
+second checkpoint of the same app uploads little more than what changed,
+under the same tag or a new one.
 Packs are never shared across repositories: a pack holds other chunks of
 the snapshot it was made for. Instead, before uploading a new pack, cryo
 asks a cryo registry to compose it from chunks it already holds in
@@ -76,7 +78,7 @@ from Docker's config and credential helpers (see cryo login), or -u with
 	ro.register(cmd)
 	fo.register(cmd, true)
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
-	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not ask the registry's chunk index (v1) or have it compose packs (v2): HEAD each blob, upload what is missing")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not use cryo's registry extensions: no chunk index lookups (v1), no pack composition and no latest-snapshot base (v2); HEAD each blob, upload what is missing")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }

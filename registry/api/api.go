@@ -8,11 +8,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
 
 	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
 // ChunksPath is the path of the chunk index lookup, relative to the
@@ -182,4 +184,47 @@ func Compose(ctx context.Context, c Doer, baseURL string, creq ComposeRequest) (
 		return nil, fmt.Errorf("compose pack: decode answer: %w", err)
 	}
 	return &cr, nil
+}
+
+// BaseSuffix follows /v2/<repository> in the path of the latest format v2
+// snapshot of a repository (SPEC.md 12.6).
+const BaseSuffix = "/_cryo/base"
+
+// ErrNoBase is returned by LatestSnapshot when the repository holds no v2
+// snapshot the registry recorded.
+var ErrNoBase = errors.New("no format v2 snapshot recorded in the repository")
+
+// LatestSnapshot asks the registry at baseURL for the format v2 snapshot
+// index stored last in repository. A registry without the extension gives
+// ErrUnsupported; one that knows none, ErrNoBase. The descriptor is the
+// registry's word: load the snapshot by its digest, verified.
+func LatestSnapshot(ctx context.Context, c Doer, baseURL, repository string) (ocispec.Descriptor, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, baseURL+"/v2/"+repository+BaseSuffix, nil)
+	if err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("latest v2 snapshot: %w", err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	switch {
+	case resp.StatusCode == http.StatusNotFound && bytes.Contains(data, []byte(`"MANIFEST_UNKNOWN"`)):
+		return ocispec.Descriptor{}, ErrNoBase
+	case resp.StatusCode == http.StatusNotFound || resp.StatusCode == http.StatusMethodNotAllowed:
+		return ocispec.Descriptor{}, ErrUnsupported
+	case resp.StatusCode != http.StatusOK:
+		return ocispec.Descriptor{}, fmt.Errorf("latest v2 snapshot: %s", resp.Status)
+	case err != nil:
+		return ocispec.Descriptor{}, fmt.Errorf("latest v2 snapshot: %w", err)
+	}
+	var desc ocispec.Descriptor
+	if err := json.Unmarshal(data, &desc); err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("latest v2 snapshot: decode answer: %w", err)
+	}
+	if err := desc.Digest.Validate(); err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("latest v2 snapshot: %w", err)
+	}
+	return desc, nil
 }
