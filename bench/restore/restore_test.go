@@ -153,6 +153,9 @@ func BenchmarkRestore(b *testing.B) {
 							args = append(args, strings.Fields(os.Getenv("CRYO_BENCH_GOFER_FLAGS"))...)
 						case cryoCold:
 							args = append(args, "--backend", "fuse")
+							if prof := os.Getenv("CRYO_BENCH_FUSE_CPUPROFILE"); prof != "" {
+								args = append(args, "--cpuprofile", fmt.Sprintf("%s.%s.%d.%d", prof, format, mib, r))
+							}
 							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
 								args = append(args, "--read-log", log)
 							}
@@ -380,7 +383,8 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 // pathsFromEnv returns the paths to measure: all, or with
 // CRYO_BENCH_ONLY=SUBSTRING those whose name contains it. For
 // investigations, CRYO_BENCH_GOFER_CPUPROFILE=FILE profiles the gofer
-// path's cryo restore, CRYO_BENCH_GOFER_FLAGS adds flags to it (e.g.
+// path's cryo restore, CRYO_BENCH_FUSE_CPUPROFILE=PREFIX the FUSE path's
+// (to PREFIX.<format>.<MiB>.<rep>), CRYO_BENCH_GOFER_FLAGS adds flags to it (e.g.
 // "--workers 4"), and CRYO_BENCH_READ_LOG=FILE logs every read of the FUSE
 // path to FILE and of the gofer path to FILE.gofer.
 func pathsFromEnv(formats []string) []string {
