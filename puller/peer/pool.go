@@ -89,6 +89,9 @@ type Pool struct {
 	avoided map[string]avoidance
 	// selves are members found to be this node (StatusSelf).
 	selves map[string]bool
+	// unanswered holds, per peer, when each request that has a
+	// connection to it and no answer yet got its connection.
+	unanswered map[string]map[*int]time.Time
 
 	stop chan struct{}
 	wg   sync.WaitGroup
@@ -173,7 +176,8 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 	if _, err := rand.Read(id); err != nil {
 		return nil, err
 	}
-	p := &Pool{opts: opts, scheme: "http", id: hex.EncodeToString(id), avoided: map[string]avoidance{}, selves: map[string]bool{}, stop: make(chan struct{})}
+	p := &Pool{opts: opts, scheme: "http", id: hex.EncodeToString(id), avoided: map[string]avoidance{}, selves: map[string]bool{},
+		unanswered: map[string]map[*int]time.Time{}, stop: make(chan struct{})}
 	tr := &http.Transport{
 		// Requests bound their own waits (ask), connecting included.
 		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second}).DialContext,
@@ -473,6 +477,40 @@ func (p *Pool) avoid(addr string, err error) {
 	p.opts.Logger.Warn("peer avoided", "peer", addr, "for", d, "err", err)
 }
 
+// awaitAnswer notes that request id has a connection to peer addr and
+// waits for its answer; the func it returns ends that.
+func (p *Pool) awaitAnswer(addr string, id *int) func() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.unanswered[addr] == nil {
+		p.unanswered[addr] = map[*int]time.Time{}
+	}
+	p.unanswered[addr][id] = time.Now()
+	return func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		delete(p.unanswered[addr], id)
+		if len(p.unanswered[addr]) == 0 {
+			delete(p.unanswered, addr)
+		}
+	}
+}
+
+// holdsUnanswered reports whether a request has held a connection to peer
+// addr for longer than wait without an answer. A server answers (the
+// header) at once, so such a request is the peer's fault, and so is the
+// wait of a request queued behind the connections it holds.
+func (p *Pool) holdsUnanswered(addr string, wait time.Duration) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, since := range p.unanswered[addr] {
+		if time.Since(since) > wait {
+			return true
+		}
+	}
+	return false
+}
+
 // For returns the pool as the fetch.Peers of snapshots of repository
 // ("host[:port]/name"), where owners fetch what they lack.
 func (p *Pool) For(repository string) fetch.Peers { return repoPeers{p, repository} }
@@ -655,6 +693,11 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 			return fmt.Errorf("%w (%s): %v", errSlow, p.opts.UrgentWait, err)
 		}
 		if !dialing.Load() && !connected.Load() {
+			if p.holdsUnanswered(addr, timer.wait()) {
+				// The connections are busy because the peer does not
+				// answer on them.
+				return fmt.Errorf("%w (%s, waiting for one of the %d connections to it, which it does not answer): %v", errStalled, timer.wait(), MaxConnsPerPeer, err)
+			}
 			return fmt.Errorf("%w (%s, %d connections to it busy): %v", errLocalWait, timer.wait(), MaxConnsPerPeer, err)
 		}
 		phase := "connecting"
@@ -679,12 +722,25 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	// connection when a kept-alive one turns out closed (the key itself
 	// is not sent).
 	hr.Header["Idempotency-Key"] = nil
+	var id int
+	var answerMu sync.Mutex
+	endWait := func() {}
 	hr = hr.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		ConnectStart: func(string, string) { dialing.Store(true) },
-		GotConn:      func(httptrace.GotConnInfo) { connected.Store(true) },
+		GotConn: func(httptrace.GotConnInfo) {
+			connected.Store(true)
+			answerMu.Lock()
+			endWait()
+			endWait = p.awaitAnswer(addr, &id)
+			answerMu.Unlock()
+		},
 		WroteRequest: func(httptrace.WroteRequestInfo) { wrote.Store(true) },
 	}))
 	resp, err := p.client.Do(hr)
+	answerMu.Lock()
+	endWait()
+	endWait = func() {}
+	answerMu.Unlock()
 	if err != nil {
 		return 0, stallErr(err)
 	}

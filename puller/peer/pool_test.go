@@ -457,3 +457,46 @@ func TestLocalConnectionWaitIsNotThePeers(t *testing.T) {
 		t.Errorf("%d requests reached the peer, want %d (the faults must not)", n, MaxConnsPerPeer)
 	}
 }
+
+// TestPeerHoldingEveryConnectionIsBlamed: a peer that takes this node's
+// MaxConnsPerPeer requests and answers none (not even the header, which a
+// server sends at once) holds every connection to it. Page faults queued
+// behind those connections then wait for the peer, not for this node:
+// each counts as a timeout, and the peer is avoided at the
+// timeoutsToAvoid-th, long before the holders' own (background) wait for
+// an answer ends.
+func TestPeerHoldingEveryConnectionIsBlamed(t *testing.T) {
+	addr, inFlight := countedStallingPeer(t, false)
+	reg := prometheus.NewRegistry()
+	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond,
+		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
+	ctx, cancel := context.WithCancel(context.Background())
+	var holders sync.WaitGroup
+	t.Cleanup(func() { cancel(); holders.Wait() })
+	for range MaxConnsPerPeer {
+		holders.Add(1)
+		go func() {
+			defer holders.Done()
+			p.For("r/x").Fetch(ctx, []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil })
+		}()
+	}
+	for deadline := time.Now().Add(30 * time.Second); inFlight.Load() < MaxConnsPerPeer; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests reached the peer, want %d", inFlight.Load(), MaxConnsPerPeer)
+		}
+	}
+	for i := 1; i <= timeoutsToAvoid; i++ {
+		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
+			t.Fatalf("took %d chunks", n)
+		}
+	}
+	if live, _ := p.Members(); len(live) != 0 {
+		t.Errorf("peer still live after %d page faults waited behind its %d unanswered connections", timeoutsToAvoid, MaxConnsPerPeer)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != timeoutsToAvoid {
+		t.Errorf("timeouts counted: %v, want %d", got, timeoutsToAvoid)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("local")); got != 0 {
+		t.Errorf("local waits counted: %v, want 0", got)
+	}
+}
