@@ -180,7 +180,7 @@ func NewPool(ctx context.Context, opts PoolOptions) (*Pool, error) {
 		unanswered: map[string]map[*int]time.Time{}, stop: make(chan struct{})}
 	tr := &http.Transport{
 		// Requests bound their own waits (ask), connecting included.
-		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second}).DialContext,
+		DialContext:         (&net.Dialer{Timeout: opts.BackgroundWait, KeepAlive: 30 * time.Second, Resolver: opts.Resolver}).DialContext,
 		TLSClientConfig:     opts.TLS,
 		TLSHandshakeTimeout: opts.BackgroundWait,
 		MaxIdleConnsPerHost: MaxConnsPerPeer,
@@ -726,6 +726,10 @@ func (p *Pool) ask(ctx context.Context, addr, repo string, chunks []format.Chunk
 	var answerMu sync.Mutex
 	endWait := func() {}
 	hr = hr.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		// Resolving a member's host name is part of reaching it: a name
+		// that does not resolve in time makes the peer unreachable, not
+		// this node's connections busy.
+		DNSStart:     func(httptrace.DNSStartInfo) { dialing.Store(true) },
 		ConnectStart: func(string, string) { dialing.Store(true) },
 		GotConn: func(httptrace.GotConnInfo) {
 			connected.Store(true)

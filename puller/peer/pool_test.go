@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -495,6 +496,35 @@ func TestPeerHoldingEveryConnectionIsBlamed(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != timeoutsToAvoid {
 		t.Errorf("timeouts counted: %v, want %d", got, timeoutsToAvoid)
+	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("local")); got != 0 {
+		t.Errorf("local waits counted: %v, want 0", got)
+	}
+}
+
+// TestUnresolvablePeerIsBlamed: a member named by a host name whose
+// lookup hangs is as unreachable as one that does not answer: each page
+// fault's wait counts as a timeout (not as a wait for this node's own
+// connections), and the member is avoided at the timeoutsToAvoid-th.
+func TestUnresolvablePeerIsBlamed(t *testing.T) {
+	var stall atomic.Bool
+	resolver := &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		if stall.Load() {
+			<-ctx.Done()
+			return nil, ctx.Err()
+		}
+		return nil, errors.New("no name server in this test")
+	}}
+	reg := prometheus.NewRegistry()
+	p := newPool(t, PoolOptions{Peers: []string{"peer.invalid:7070"}, UrgentWait: 100 * time.Millisecond, Resolver: resolver, Metrics: NewMetrics(reg)})
+	stall.Store(true)
+	for i := 1; i <= timeoutsToAvoid; i++ {
+		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
+			t.Fatalf("took %d chunks", n)
+		}
+	}
+	if live, _ := p.Members(); len(live) != 0 {
+		t.Errorf("peer still live after %d page faults waited for its name to resolve", timeoutsToAvoid)
 	}
 	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("local")); got != 0 {
 		t.Errorf("local waits counted: %v, want 0", got)
