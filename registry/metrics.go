@@ -20,7 +20,10 @@ type metrics struct {
 	reg           *prometheus.Registry
 	bytesServed   *prometheus.CounterVec
 	bytesReceived *prometheus.CounterVec
-	chunkLookups  *prometheus.CounterVec
+	// requests counts requests served (the registry's cost is mostly per
+	// request: authorization, path resolution, a blob's stat and open).
+	requests     *prometheus.CounterVec
+	chunkLookups *prometheus.CounterVec
 	// chunkVerifications counts chunk table entries the chunk index
 	// checked against their blob, by result (ok, refused).
 	chunkVerifications *prometheus.CounterVec
@@ -38,6 +41,10 @@ func newMetrics(s *Server) *metrics {
 		bytesReceived: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cryo_registry_request_bytes_total",
 			Help: "Bytes of HTTP request bodies received (uploads), by kind of object (blob, manifest, other).",
+		}, []string{"kind"}),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "cryo_registry_requests_total",
+			Help: "HTTP requests served, by kind of object (blob, manifest, other).",
 		}, []string{"kind"}),
 		chunkLookups: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "cryo_registry_chunk_index_lookups_total",
@@ -61,7 +68,7 @@ func newMetrics(s *Server) *metrics {
 		}
 		return 0
 	})
-	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.chunkLookups, m.chunkVerifications, m.composedBytes, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
+	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.requests, m.chunkLookups, m.chunkVerifications, m.composedBytes, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
 }
 
@@ -85,7 +92,7 @@ func (m *metrics) handler() http.Handler {
 	return promhttp.HandlerFor(prometheus.Gatherers{m.reg, prometheus.DefaultGatherer}, promhttp.HandlerOpts{})
 }
 
-// instrument counts the bytes of every response h writes.
+// instrument counts the requests h serves and the bytes of their bodies.
 func (m *metrics) instrument(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		kind := "other"
@@ -101,6 +108,7 @@ func (m *metrics) instrument(h http.Handler) http.Handler {
 		h.ServeHTTP(cw, r)
 		m.bytesServed.WithLabelValues(kind).Add(float64(cw.n))
 		m.bytesReceived.WithLabelValues(kind).Add(float64(cr.n))
+		m.requests.WithLabelValues(kind).Inc()
 	})
 }
 

@@ -64,7 +64,11 @@ var loadedLine = regexp.MustCompile(`cryo: all pages loaded after ([0-9.]+) s`)
 // sample is one restore: seconds until the app runs again and until every
 // page is loaded, registry blob bytes, and for cryo the cryo process's
 // peak RSS and block-device writes, in bytes.
-type sample struct{ running, loaded, wire, rss, writes float64 }
+type sample struct {
+	running, loaded, wire, rss, writes float64
+	// requests and regCPU (s) are the registry's, while the path ran.
+	requests, regCPU float64
+}
 
 // BenchmarkRestore measures, for each app size and link, the time from the
 // restore command's start until the app's next output line, and until all
@@ -165,7 +169,7 @@ func BenchmarkRestore(b *testing.B) {
 						}
 						cmd = exec.Command(cryo, append(args, ref, "--bundle="+app.BundleDir(), app.ID())...)
 					}
-					before := blobBytes(b, reg.MetricsAddr)
+					before, reqBefore, cpuBefore := blobBytes(b, reg.MetricsAddr), registryRequests(b, reg.MetricsAddr), benchutil.CPUTime(reg.PID())
 					rc := app.StartRestoreWith(b, cmd)
 					app.WaitLine(b, `^count [0-9]+$`, 30*time.Minute)
 					running := time.Since(rc.Start).Seconds()
@@ -173,7 +177,8 @@ func BenchmarkRestore(b *testing.B) {
 						stdout, stderr := rc.Output()
 						b.Fatalf("%s: %v\n%s%s", path, err, stdout, stderr)
 					}
-					s := sample{running: running, loaded: rc.Duration().Seconds(), wire: blobBytes(b, reg.MetricsAddr) - before}
+					s := sample{running: running, loaded: rc.Duration().Seconds(), wire: blobBytes(b, reg.MetricsAddr) - before,
+						requests: registryRequests(b, reg.MetricsAddr) - reqBefore, regCPU: (benchutil.CPUTime(reg.PID()) - cpuBefore).Seconds()}
 					if ru, ok := rc.Cmd.ProcessState.SysUsage().(*syscall.Rusage); ok && strings.HasPrefix(path, "cryo") {
 						s.rss, s.writes = float64(ru.Maxrss)*1024, float64(ru.Oublock)*512
 					}
@@ -192,7 +197,7 @@ func BenchmarkRestore(b *testing.B) {
 					}
 					key := fmt.Sprintf("%d|%s|%s", mib, link.Name, path)
 					results[key] = append(results[key], s)
-					fmt.Fprintf(os.Stderr, "%d MiB %s rep %d %-32s running %.3fs loaded %.3fs wire %.0f MiB\n", mib, link.Name, r, path, s.running, s.loaded, s.wire/(1<<20))
+					fmt.Fprintf(os.Stderr, "%d MiB %s rep %d %-32s running %.3fs loaded %.3fs wire %.0f MiB in %.0f requests, registry CPU %.2fs\n", mib, link.Name, r, path, s.running, s.loaded, s.wire/(1<<20), s.requests, s.regCPU)
 				}
 				if err := os.RemoveAll(work); err != nil {
 					b.Fatal(err)
@@ -294,6 +299,16 @@ type devNull struct{}
 func (devNull) Write(p []byte) (int, error) { return len(p), nil }
 
 func blobBytes(b *testing.B, metricsAddr string) float64 {
+	return registryMetric(b, metricsAddr, `cryo_registry_response_bytes_total{kind="blob"}`)
+}
+
+// registryRequests is the registry's count of blob requests served.
+func registryRequests(b *testing.B, metricsAddr string) float64 {
+	return registryMetric(b, metricsAddr, `cryo_registry_requests_total{kind="blob"}`)
+}
+
+// registryMetric reads one sample of the registry's metrics (0 if absent).
+func registryMetric(b *testing.B, metricsAddr, sample string) float64 {
 	resp, err := http.Get("http://" + metricsAddr + "/metrics")
 	if err != nil {
 		b.Fatal(err)
@@ -301,7 +316,7 @@ func blobBytes(b *testing.B, metricsAddr string) float64 {
 	defer resp.Body.Close()
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
-		if line := sc.Text(); strings.HasPrefix(line, `cryo_registry_response_bytes_total{kind="blob"}`) {
+		if line := sc.Text(); strings.HasPrefix(line, sample+" ") {
 			f := strings.Fields(line)
 			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
 			return v
@@ -335,8 +350,8 @@ func loaded(s sample) float64  { return s.loaded }
 func report(sizes []int, links []Link, res map[string][]sample) {
 	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Restore -benchtime 1x -sizes %s -reps %d -shaped-reps %d -links %s -registry-root '%s'` — GOMAXPROCS=%d, %s, %s\n\n",
 		*sizesFlag, *repsFlag, *shapedRep, *linksFlag, *regRoot, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
-	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry | cryo's peak RSS | cryo's disk writes per restored byte |")
-	fmt.Println("|--:|---|---|--:|--:|--:|--:|--:|")
+	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry | blob requests | registry CPU (s) | cryo's peak RSS | cryo's disk writes per restored byte |")
+	fmt.Println("|--:|---|---|--:|--:|--:|--:|--:|--:|--:|")
 	for _, mib := range sizes {
 		for _, l := range links {
 			for _, p := range paths {
@@ -349,7 +364,8 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 					rss = fmt.Sprintf("%.0f MiB", med(s, func(x sample) float64 { return x.rss })/(1<<20))
 					writes = fmt.Sprintf("%.2f", med(s, func(x sample) float64 { return x.writes })/float64(int64(mib)<<20))
 				}
-				fmt.Printf("| %d MiB | %s | %s | %s | %s | %.0f MiB | %s | %s |\n", mib, l.Name, p, cell(s, running), cell(s, loaded), med(s, func(x sample) float64 { return x.wire })/(1<<20), rss, writes)
+				fmt.Printf("| %d MiB | %s | %s | %s | %s | %.0f MiB | %.0f | %.2f | %s | %s |\n", mib, l.Name, p, cell(s, running), cell(s, loaded), med(s, func(x sample) float64 { return x.wire })/(1<<20),
+					med(s, func(x sample) float64 { return x.requests }), med(s, func(x sample) float64 { return x.regCPU }), rss, writes)
 			}
 		}
 	}

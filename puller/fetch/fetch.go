@@ -205,8 +205,11 @@ type Scheduler struct {
 	queues [numPriorities][]*call
 	active [numPriorities]int
 	calls  map[key]*call
-	closed bool
-	log    []LogEntry
+	// byFrame finds the queued call of a pack's frame (format v2), for
+	// the read-ahead of reads (coalesce).
+	byFrame map[frame]*call
+	closed  bool
+	log     []LogEntry
 	// link estimates the link from the fetches done, to bound the
 	// background fetches while urgent ones run.
 	link link
@@ -296,7 +299,7 @@ func newWithStore(endpoints []Endpoint, c chunkStore, codec *format.Codec, opts 
 	if opts.WriteBuffer <= 0 {
 		opts.WriteBuffer = 64 << 20
 	}
-	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}}
+	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}, byFrame: map[frame]*call{}}
 	s.w = newWriter(c.PutVerified, opts.Writers, opts.WriteBuffer, opts.Metrics)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.cond = sync.NewCond(&s.mu)
@@ -326,6 +329,7 @@ func (s *Scheduler) Close() {
 				close(c.done)
 				c.markReady()
 				delete(s.calls, k)
+				s.forgetFrame(c)
 			}
 		}
 		s.queues[i] = nil
@@ -497,6 +501,9 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	}
 	cl := &call{chunk: c, prio: prio, demand: prio.isDemand(), done: make(chan struct{}), ready: make(chan struct{})}
 	s.calls[k] = cl
+	if f := frameOf(c); c.Packed() && s.byFrame[f] == nil {
+		s.byFrame[f] = cl
+	}
 	s.queues[prio] = append(s.queues[prio], cl)
 	s.cond.Signal()
 	s.faultWorker(prio)
@@ -646,17 +653,67 @@ func (s *Scheduler) background() int {
 // fetches (format v2): about one pack.
 const MaxCoalesce = format.DefaultPackSize
 
+// ReadAhead is how far, in stored bytes, the range request of a read
+// (priority Read) goes on past the frames queued right behind it, taking
+// the queued reads and prefetches of the frames that follow in the same
+// pack, wherever they are in their queues: what a
+// read of a v1 snapshot fetches anyway (its 1 MiB chunk). gVisor's loader
+// reads a file in order, 128 KiB at a time through FUSE; without it,
+// each read (two or three 64 KiB chunks) would be a request of its own,
+// and a registry's cost is per request.
+const ReadAhead = 1 << 20
+
+// frame is where a format v2 chunk lies: its pack and its offset there.
+type frame struct {
+	pack digest.Digest
+	off  int64
+}
+
+func frameOf(c format.Chunk) frame { return frame{c.Blob, c.PackOffset} }
+
+// forgetFrame drops cl from byFrame. s.mu is held.
+func (s *Scheduler) forgetFrame(cl *call) {
+	if f := frameOf(cl.chunk); s.byFrame[f] == cl {
+		delete(s.byFrame, f)
+	}
+}
+
 // coalesce takes, with call cl just popped from queue p, the calls queued
 // right behind it whose frames follow cl's in the same pack, up to
 // MaxCoalesce bytes: one range request fetches them all. Queues hold reads
 // and prefetches in ascending file order, and a pack holds consecutive
 // chunks of a file, so neighbours in a pack are neighbours in the queue.
-// Page faults are never coalesced: a fault waits for its own chunk only.
-// With a node-wide InFlight, a call joins the batch only if this scheduler
-// leads its fetch; cl's own flight is joined by run.
+// A read then goes on with the queued reads and prefetches of the frames
+// that follow (reads come in concurrently, so not always in file order),
+// until the request holds ReadAhead bytes. Page faults are never
+// coalesced: a fault waits for its own chunk only. With a node-wide
+// InFlight, a call joins the batch only if this scheduler leads its
+// fetch; cl's own flight is joined by run.
 func (s *Scheduler) coalesce(cl *call, p Priority) {
 	end := cl.chunk.PackOffset + cl.chunk.BlobSize
 	total := cl.chunk.BlobSize
+	// take adds next, whose frame starts at end, to the batch, and
+	// reports whether it did.
+	take := func(next *call) bool {
+		c := next.chunk
+		if next.single || !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > MaxCoalesce {
+			return false
+		}
+		var f *flight
+		if s.opts.InFlight != nil {
+			var lead bool
+			if f, lead = s.opts.InFlight.join(keyOf(c), s.opts.Peers != nil); !lead {
+				return false // another mount fetches it: its own worker follows that
+			}
+		}
+		next.started = true
+		s.record(next)
+		cl.batch = append(cl.batch, next)
+		cl.flights = append(cl.flights, f)
+		end += c.BlobSize
+		total += c.BlobSize
+		return true
+	}
 	q := s.queues[p]
 	for len(q) > 0 && total < MaxCoalesce {
 		next := q[0]
@@ -664,26 +721,21 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 			q = q[1:] // stale: promoted away or running
 			continue
 		}
-		c := next.chunk
-		if next.single || !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > MaxCoalesce {
+		if !take(next) {
 			break
 		}
-		var f *flight
-		if s.opts.InFlight != nil {
-			var lead bool
-			if f, lead = s.opts.InFlight.join(keyOf(c), s.opts.Peers != nil); !lead {
-				break // another mount fetches it: its own worker follows that
-			}
-		}
 		q = q[1:]
-		next.started = true
-		s.record(next)
-		cl.batch = append(cl.batch, next)
-		cl.flights = append(cl.flights, f)
-		end += c.BlobSize
-		total += c.BlobSize
 	}
 	s.queues[p] = q
+	if p != Read {
+		return
+	}
+	for total < ReadAhead {
+		next := s.byFrame[frame{cl.chunk.Blob, end}]
+		if next == nil || next.started || next.prio > Read || !take(next) {
+			return
+		}
+	}
 }
 
 // pop takes the next runnable call of priority p, skipping entries that
@@ -1131,6 +1183,7 @@ func (s *Scheduler) finish(cl *call, data []byte, err error) {
 	if k := keyOf(cl.chunk); s.calls[k] == cl {
 		delete(s.calls, k)
 	}
+	s.forgetFrame(cl)
 	close(cl.done)
 	cl.markReady()
 }
