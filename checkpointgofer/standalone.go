@@ -9,6 +9,7 @@ import (
 
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/peer"
 	"github.com/cryo-oci/cryo/transfer"
 )
 
@@ -51,20 +52,57 @@ func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (go
 		return fail(fmt.Errorf("%s resolved to snapshot %s, the gofer's config names %s: refusing to serve another snapshot", ref, src.Index.Digest, cfg.Index))
 	}
 	// The gofer runs in the sandbox's cgroup: hold little in memory.
-	p, err := puller.New(puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log, SmallFilesCap: 16 << 20, WriteBuffer: 16 << 20})
+	opts := puller.Options{CacheDir: filepath.Join(dir, "cache"), Logger: log, SmallFilesCap: 16 << 20, WriteBuffer: 16 << 20}
+	var pool *peer.Pool
+	if len(cfg.Peers) > 0 {
+		if pool, err = openPeers(ctx, cfg, log); err != nil {
+			return fail(err)
+		}
+		opts.Peers = pool
+	}
+	closePool := func() {
+		if pool != nil {
+			pool.Close()
+		}
+	}
+	p, err := puller.New(opts)
 	if err != nil {
+		closePool()
 		return fail(err)
 	}
 	// A private cache is removed at exit: nothing to materialize for.
 	m, err := p.MountFiles(ctx, src, filepath.Join(dir, "mount"), puller.FilesOptions{MaterializeAfter: make(chan struct{})})
 	if err != nil {
 		p.Close()
+		closePool()
 		return fail(err)
 	}
-	log.Info("standalone", "cache", dir)
+	log.Info("standalone", "cache", dir, "peers", len(cfg.Peers))
 	return gofer.Local(m), func() {
 		m.Unmount()
 		p.Close()
+		closePool()
 		os.RemoveAll(dir)
 	}, nil
+}
+
+// openPeers opens the pool of node pullers the config names: this gofer
+// asks them for chunks and serves them none (it is no member of the pool,
+// so it owns no chunk: every one is asked of its owner first).
+func openPeers(ctx context.Context, cfg gofer.Config, log *slog.Logger) (*peer.Pool, error) {
+	token, err := peer.ReadToken(cfg.PeerTokenFile)
+	if err != nil {
+		return nil, fmt.Errorf("%s: peerTokenFile: %w", gofer.ConfigFile, err)
+	}
+	opts := peer.PoolOptions{Peers: cfg.Peers, Token: token, Logger: log}
+	if cfg.PeerCA != "" {
+		if opts.TLS, err = peer.ClientTLS(cfg.PeerCA, cfg.PeerServerName); err != nil {
+			return nil, fmt.Errorf("%s: peerCA: %w", gofer.ConfigFile, err)
+		}
+	}
+	pool, err := peer.NewPool(ctx, opts)
+	if err != nil {
+		return nil, fmt.Errorf("%s: peers: %w", gofer.ConfigFile, err)
+	}
+	return pool, nil
 }

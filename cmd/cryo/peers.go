@@ -2,13 +2,9 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
-	"strings"
 
 	"github.com/cryo-oci/cryo/puller/peer"
 	"github.com/spf13/cobra"
@@ -45,13 +41,9 @@ func (f *peerFlags) token() (string, error) {
 	if f.tokenFile == "" {
 		return "", errors.New("--peer-token-file is required with --peers or --peer-listen: peers serve snapshot memory only to callers with the pool token")
 	}
-	b, err := os.ReadFile(f.tokenFile)
+	t, err := peer.ReadToken(f.tokenFile)
 	if err != nil {
 		return "", fmt.Errorf("--peer-token-file: %w", err)
-	}
-	t := strings.TrimSpace(string(b))
-	if len(t) < peer.MinTokenBytes {
-		return "", fmt.Errorf("--peer-token-file %s: a token of %d bytes, want at least %d (e.g. head -c 32 /dev/urandom | base64)", f.tokenFile, len(t), peer.MinTokenBytes)
 	}
 	return t, nil
 }
@@ -71,15 +63,9 @@ func (f *peerFlags) pool(ctx context.Context, self string, log *slog.Logger, m *
 	}
 	opts := peer.PoolOptions{Peers: f.peers, Self: self, Token: token, Logger: log, Metrics: m}
 	if f.ca != "" {
-		pem, err := os.ReadFile(f.ca)
-		if err != nil {
+		if opts.TLS, err = peer.ClientTLS(f.ca, f.serverName); err != nil {
 			return nil, fmt.Errorf("--peer-ca: %w", err)
 		}
-		roots := x509.NewCertPool()
-		if !roots.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("--peer-ca %s: no PEM certificate in it", f.ca)
-		}
-		opts.TLS = &tls.Config{RootCAs: roots, ServerName: f.serverName, MinVersion: tls.VersionTLS12}
 	} else if f.serverName != "" {
 		return nil, errors.New("--peer-tls-server-name needs --peer-ca")
 	}

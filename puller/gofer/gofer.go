@@ -145,6 +145,17 @@ type Config struct {
 	// CacheDir is where a standalone gofer makes its private node cache
 	// (default: the temp dir).
 	CacheDir string `json:"cacheDir,omitempty"`
+	// Peers, for a standalone gofer, are node pullers of the node's pool
+	// to ask for chunks before the registry (host:port or dns:NAME:PORT,
+	// as `cryo restore --peers`); PeerTokenFile is the file holding the
+	// pool's token (required with Peers: the config names the file, never
+	// the token), PeerCA a PEM CA bundle for peers serving TLS and
+	// PeerServerName the name their certificates carry. A gofer served by
+	// a cryo process (Socket) uses that process's peers.
+	Peers          []string `json:"peers,omitempty"`
+	PeerTokenFile  string   `json:"peerTokenFile,omitempty"`
+	PeerCA         string   `json:"peerCA,omitempty"`
+	PeerServerName string   `json:"peerServerName,omitempty"`
 	// Checkpoint makes the image dir a checkpoint's: the gofer streams the
 	// files the sentry writes to the upload API of the cryo process at
 	// Socket (session Mount), which packs and pushes them as the snapshot
@@ -171,7 +182,19 @@ func (c Config) Validate() error {
 	if c.Socket == "" && c.Reference == "" {
 		return fmt.Errorf("%s: no socket and no reference: nothing to read the snapshot from", ConfigFile)
 	}
-	for name, p := range map[string]string{"socket": c.Socket, "log": c.Log, "cacheDir": c.CacheDir} {
+	if len(c.Peers) > 0 && c.Socket != "" {
+		return fmt.Errorf("%s: peers are for a standalone gofer; one served by the cryo process at %s uses that process's peers", ConfigFile, c.Socket)
+	}
+	if len(c.Peers) == 0 && (c.PeerTokenFile != "" || c.PeerCA != "" || c.PeerServerName != "") {
+		return fmt.Errorf("%s: peerTokenFile, peerCA and peerServerName need peers", ConfigFile)
+	}
+	if len(c.Peers) > 0 && c.PeerTokenFile == "" {
+		return fmt.Errorf("%s: peers need peerTokenFile: peers serve snapshot memory only to callers with the pool token", ConfigFile)
+	}
+	if c.PeerServerName != "" && c.PeerCA == "" {
+		return fmt.Errorf("%s: peerServerName needs peerCA", ConfigFile)
+	}
+	for name, p := range map[string]string{"socket": c.Socket, "log": c.Log, "cacheDir": c.CacheDir, "peerTokenFile": c.PeerTokenFile, "peerCA": c.PeerCA} {
 		if p != "" && !filepath.IsAbs(p) {
 			return fmt.Errorf("%s: %s %q is not an absolute path", ConfigFile, name, p)
 		}
@@ -180,7 +203,8 @@ func (c Config) Validate() error {
 }
 
 // configKeys are Config's JSON keys, exactly.
-var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true, "checkpoint": true}
+var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true, "checkpoint": true,
+	"peers": true, "peerTokenFile": true, "peerCA": true, "peerServerName": true}
 
 // ReadConfig reads and validates a ConfigFile. Keys must be exact and
 // known: a misspelt one is an error, not a default.

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -31,11 +32,21 @@ func TestConfigRoundTripAndRefusals(t *testing.T) {
 	}
 	defer f.Close()
 	got, err := ReadConfig(f)
-	if err != nil || got != good {
+	if err != nil || !reflect.DeepEqual(got, good) {
 		t.Fatalf("read back %+v, %v; wrote %+v", got, err, good)
 	}
 	if err := WriteImageDir(dir, good); err == nil {
 		t.Error("WriteImageDir over an existing config: no error")
+	}
+	standalone := Config{MediaType: MediaType, Reference: "r/app:v1", Index: testIndex, Peers: []string{"10.0.0.2:7070", "dns:pullers:7070"}, PeerTokenFile: "/etc/cryo/token"}
+	sdir := filepath.Join(t.TempDir(), "img")
+	if err := WriteImageDir(sdir, standalone); err != nil {
+		t.Fatal(err)
+	}
+	if data, err := os.ReadFile(filepath.Join(sdir, ConfigFile)); err != nil {
+		t.Fatal(err)
+	} else if got, err := ReadConfig(bytes.NewReader(data)); err != nil || !reflect.DeepEqual(got, standalone) {
+		t.Fatalf("read back %+v, %v; wrote %+v", got, err, standalone)
 	}
 	valid := `"mediaType":"` + MediaType + `","index":"` + testIndex.String() + `"`
 	for name, body := range map[string]string{
@@ -49,6 +60,10 @@ func TestConfigRoundTripAndRefusals(t *testing.T) {
 		"relative socket":   `{` + valid + `,"socket":"s.sock","mount":"m"}`,
 		"two objects":       `{` + valid + `,"reference":"r"}{}`,
 		"oversized":         `{` + valid + `,"reference":"` + strings.Repeat("r", MaxConfigSize) + `"}`,
+		"peers, no token":   `{` + valid + `,"reference":"r","peers":["p:7070"]}`,
+		"peers of a socket": `{` + valid + `,"socket":"/s","mount":"m","peers":["p:7070"],"peerTokenFile":"/t"}`,
+		"token, no peers":   `{` + valid + `,"reference":"r","peerTokenFile":"/t"}`,
+		"relative token":    `{` + valid + `,"reference":"r","peers":["p:7070"],"peerTokenFile":"t"}`,
 	} {
 		if _, err := ReadConfig(strings.NewReader(body)); err == nil {
 			t.Errorf("%s: %s accepted", name, body[:min(len(body), 80)])

@@ -3,10 +3,13 @@ package restore_test
 import (
 	"context"
 	"errors"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -251,6 +254,85 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	res := e.restoreApp(t, p, resolve(t, ref, &fetchLog{}), opts, app, last)
 	if res.Mode != "fuse" {
 		t.Errorf("auto with a gofer of another release: mode %q, want fuse", res.Mode)
+	}
+}
+
+// TestStandaloneGoferRestoreAsksPeers restores through a standalone gofer
+// whose config names a peer (a `cryo puller serve --peer-listen` of the
+// pool, its token in a file): the gofer asks the peer for the chunks (the
+// peer, which owns them, fetches them upstream once), and the app goes on
+// with its memory hash unchanged.
+func TestStandaloneGoferRestoreAsksPeers(t *testing.T) {
+	e := newEnv(t)
+	goferDir := gvisortest.GoferDir(t)
+	app, last, ref, d := e.checkpointedApp(t, 32, "standalone-peers")
+
+	tokenFile := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(tokenFile, []byte("a pool token of the test's own\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	peerAddr, metricsAddr := testenv.FreeAddr(t), testenv.FreeAddr(t)
+	pd := t.TempDir()
+	daemon := exec.Command(e.cryo, "puller", "serve", "--socket", filepath.Join(pd, "puller.sock"), "--cache", filepath.Join(pd, "cache"),
+		"--mounts", filepath.Join(pd, "mnt"), "--profile", "none", "--peer-listen", peerAddr, "--peer-token-file", tokenFile, "--metrics-addr", metricsAddr)
+	daemonLog := filepath.Join(pd, "log")
+	lf, err := os.Create(daemonLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	daemon.Stdout, daemon.Stderr = lf, lf
+	if err := daemon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { daemon.Process.Kill(); daemon.Wait() })
+	served := func() float64 {
+		resp, err := http.Get("http://" + metricsAddr + "/metrics")
+		if err != nil {
+			return -1
+		}
+		defer resp.Body.Close()
+		data, _ := io.ReadAll(resp.Body)
+		for _, line := range strings.Split(string(data), "\n") {
+			if v, ok := strings.CutPrefix(line, "cryo_puller_peer_served_bytes_total "); ok {
+				f, _ := strconv.ParseFloat(v, 64)
+				return f
+			}
+		}
+		return 0
+	}
+	for deadline := time.Now().Add(30 * time.Second); served() < 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			logged, _ := os.ReadFile(daemonLog)
+			t.Fatalf("the peer daemon never served its metrics:\n%s", logged)
+		}
+	}
+
+	dir := filepath.Join(t.TempDir(), "img")
+	logFile := filepath.Join(t.TempDir(), "gofer.log")
+	cfg := gofer.Config{MediaType: gofer.MediaType, Reference: ref, Index: d, Log: logFile, CacheDir: t.TempDir(), Peers: []string{peerAddr}, PeerTokenFile: tokenFile}
+	if err := gofer.WriteImageDir(dir, cfg); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(e.runsc, append(app.Flags(), "restore", "--detach", "--background", "--bundle="+app.BundleDir(), "--image-path="+dir, app.ID())...)
+	cmd.Env = append(os.Environ(), "GVISOR_SIDECAR_BINARIES_DIR="+goferDir)
+	if err := app.StartRestoreWith(t, cmd).Wait(restoreTimeout); err != nil {
+		logged, _ := os.ReadFile(logFile)
+		t.Fatalf("runsc restore: %v\ngofer log:\n%s", err, logged)
+	}
+	if n := app.NextCount(t); n != last+1 {
+		t.Errorf("restored app counts %d, want %d", n, last+1)
+	}
+	if h := app.Hash(t); h != app.StartHash() {
+		t.Errorf("memory hash after restore %s, at start %s", h, app.StartHash())
+	}
+	app.WaitRestored(t)
+	n := served()
+	t.Logf("the peer served %.0f bytes", n)
+	if n < 16<<20 {
+		logged, _ := os.ReadFile(logFile)
+		dlog, _ := os.ReadFile(daemonLog)
+		t.Errorf("the peer served %.0f bytes to the standalone gofer, want most of the 32 MiB snapshot\ngofer log:\n%s\npeer log:\n%s", n, logged, dlog)
 	}
 }
 
