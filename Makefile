@@ -107,7 +107,7 @@ clean:
 bench-restore: build deps
 	$(GO) test ./bench/restore -run '^$$' -bench Restore -benchtime 1x -timeout 120m -chart $(CURDIR)/docs/restore-loopback.png
 	$(GO) test ./bench/restore -run '^$$' -bench Profile -benchtime 1x -timeout 180m -reps 5
-	$(GO) test ./bench/pause -run '^$$' -bench Pause -benchtime 1x -timeout 60m
+	$(GO) test ./bench/pause -run '^$$' -bench Pause -benchtime 1x -timeout 60m -sizes 256,512,1024 -format v1,v2
 
 # Many pullers against one registry and two replicas: 32 pullers fetching
 # one 1 GiB snapshot, and 32 distinct snapshots sharing 80% of their chunks,
