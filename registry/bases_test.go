@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/registry/api"
@@ -18,8 +19,10 @@ import (
 // without --base: the push takes the snapshot the registry stored last in
 // app as its base, so its unchanged chunks are referenced where they lie
 // (nothing composed, that is, copied, by the registry) and only about what
-// changed is uploaded. A repository without v2 snapshots gives no base
-// (never another repository's), and a deleted snapshot is not answered.
+// changed is uploaded. A snapshot put by digest only (no tag) is not
+// recorded, a repository without v2 snapshots of its own gives no base
+// (never another repository's, even if it holds the same manifest), and a
+// deleted snapshot is not answered.
 func TestNewTagTakesLatestBase(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
@@ -58,6 +61,27 @@ func TestNewTagTakesLatestBase(t *testing.T) {
 		t.Errorf("latest of app after the second push: %v, %v; want %s", latest.Digest, err, second.Descriptor.Digest)
 	}
 
+	// Put by digest only: not recorded.
+	untagged := filepath.Join(t.TempDir(), "untagged")
+	mutateImage(t, src, untagged, 0.3)
+	if _, _, err := format.Pack(ctx, untagged, app, format.PackOptions{Format: format.V2}); err != nil {
+		t.Fatal(err)
+	}
+	if latest, err = api.LatestSnapshot(ctx, http.DefaultClient, reg.http.URL, "app"); err != nil || latest.Digest != second.Descriptor.Digest {
+		t.Errorf("latest of app after a push by digest only: %v, %v; want %s", latest.Digest, err, second.Descriptor.Digest)
+	}
+
+	// The first snapshot, byte-identical, in repository dup (by digest,
+	// no base, nothing composed): dup holds app's recorded manifest but
+	// has no record of its own.
+	dup, _ := reg.repo(t, "dup:x")
+	if d, _, err := format.Pack(ctx, src, dup, format.PackOptions{Format: format.V2}); err != nil || d.Digest != first.Descriptor.Digest {
+		t.Fatalf("first snapshot in dup: %v, %v; want %s", d.Digest, err, first.Descriptor.Digest)
+	}
+	if _, ok, err := reg.srv.bases.Latest(ctx, "dup"); ok || err != nil {
+		t.Errorf("dup, which has no record of its own, answered a base (%v)", err)
+	}
+
 	// Another repository has no base of its own: its push composes.
 	other, tag := reg.repo(t, "other:p1")
 	res, err := transfer.Push(ctx, changed, other, tag, v2Push)
@@ -81,7 +105,7 @@ func TestNewTagTakesLatestBase(t *testing.T) {
 }
 
 // TestLatestBaseChecksAccess: the latest snapshot of a repository is
-// answered only to a caller that may pull from it.
+// answered only to a caller that may pull from and push to it.
 func TestLatestBaseChecksAccess(t *testing.T) {
 	ctx := context.Background()
 	root := t.TempDir()
@@ -96,11 +120,13 @@ func TestLatestBaseChecksAccess(t *testing.T) {
 	client := func(grants map[string][]string) *http.Client {
 		return &http.Client{Transport: bearer(ti.tokenFor(t, grants))}
 	}
-	got, err := api.LatestSnapshot(ctx, client(map[string][]string{"a": {"pull"}}), reg.http.URL, "a")
+	got, err := api.LatestSnapshot(ctx, client(map[string][]string{"a": {"pull", "push"}}), reg.http.URL, "a")
 	if err != nil || got.Digest != res.Descriptor.Digest {
-		t.Fatalf("with pull on a: %v, %v", got.Digest, err)
+		t.Fatalf("with pull and push on a: %v, %v", got.Digest, err)
 	}
-	if got, err := api.LatestSnapshot(ctx, client(map[string][]string{"b": {"pull", "push"}}), reg.http.URL, "a"); err == nil {
-		t.Errorf("without pull on a: answered %s", got.Digest)
+	for _, grants := range []map[string][]string{{"a": {"pull"}}, {"b": {"pull", "push"}}} {
+		if got, err := api.LatestSnapshot(ctx, client(grants), reg.http.URL, "a"); err == nil {
+			t.Errorf("with %v: answered %s", grants, got.Digest)
+		}
 	}
 }

@@ -116,8 +116,8 @@ func (r extendedRepository) Manifests(ctx context.Context, options ...distributi
 
 // recordingManifests records, for every manifest stored, its subject
 // (referrers), for a cryo file manifest its verified chunks (chunk index),
-// and for a v2 snapshot index that it is the repository's latest (bases);
-// and drops a deleted manifest's entries.
+// and for a v2 snapshot index put under a tag that it is the repository's
+// latest (bases); and drops a deleted manifest's referrer entry.
 type recordingManifests struct {
 	distribution.ManifestService
 	repo string
@@ -145,10 +145,21 @@ func (m recordingManifests) Put(ctx context.Context, manifest distribution.Manif
 	if err := m.s.chunks.IndexManifest(rctx, m.repo, payload); err != nil {
 		m.s.log.Error("index chunks", "repository", m.repo, "digest", d, "err", err)
 	}
-	if err := m.s.bases.Record(rctx, m.repo, d, payload); err != nil {
+	if err := m.s.bases.Record(rctx, m.repo, taggedAs(options), d, payload); err != nil {
 		m.s.log.Error("record latest v2 snapshot", "repository", m.repo, "digest", d, "err", err)
 	}
 	return d, nil
+}
+
+// taggedAs returns the tag a manifest PUT names (distribution passes it
+// as a WithTag option), "" for a PUT by digest.
+func taggedAs(options []distribution.ManifestServiceOption) string {
+	for _, o := range options {
+		if t, ok := o.(distribution.WithTagOption); ok {
+			return t.Tag
+		}
+	}
+	return ""
 }
 
 func (m recordingManifests) Delete(ctx context.Context, d digest.Digest) error {
@@ -163,9 +174,6 @@ func (m recordingManifests) Delete(ctx context.Context, d digest.Digest) error {
 		if err := m.s.refs.Forget(context.WithoutCancel(ctx), m.repo, d, payload); err != nil {
 			m.s.log.Error("drop referrer", "repository", m.repo, "digest", d, "err", err)
 		}
-	}
-	if err := m.s.bases.Forget(context.WithoutCancel(ctx), m.repo, d); err != nil {
-		m.s.log.Error("drop latest v2 snapshot", "repository", m.repo, "digest", d, "err", err)
 	}
 	return nil
 }

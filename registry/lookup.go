@@ -163,16 +163,16 @@ func (s *Server) handleCompose(w http.ResponseWriter, r *http.Request) {
 }
 
 // handleBase answers GET /v2/<name>/_cryo/base (SPEC.md 12.6): the format
-// v2 snapshot index stored last in the repository, for a push to a tag
-// that names nothing yet. The caller needs pull access to it; a mirror
-// keeps no such record.
+// v2 snapshot index stored last in the repository under a tag, for a push
+// to a tag that names nothing yet. The caller needs pull and push access
+// to it (only a pusher has a use for it); a mirror keeps no such record.
 func (s *Server) handleBase(w http.ResponseWriter, r *http.Request) {
 	repo := mux.Vars(r)["name"]
 	if s.mirrorOf != "" {
 		writeRegistryError(w, http.StatusNotFound, "UNSUPPORTED", "a mirror records no latest snapshots")
 		return
 	}
-	if !s.authorize(w, r, repo, "pull") {
+	if !s.authorize(w, r, repo, "pull", "push") {
 		return
 	}
 	desc, ok, err := s.bases.Latest(r.Context(), repo)

@@ -653,10 +653,10 @@ func (s *Scheduler) background() int {
 // fetches (format v2): about one pack.
 const MaxCoalesce = format.DefaultPackSize
 
-// ReadAhead is how far, in stored bytes, the range request of a read
-// (priority Read) goes on past the frames queued right behind it, taking
-// the queued reads and prefetches of the frames that follow in the same
-// pack, wherever they are in their queues: what a
+// ReadAhead is the stored bytes the range request of a read (priority
+// Read) is filled up to, past the frames queued right behind it, with the
+// queued reads and prefetches of the frames that follow in the same pack,
+// wherever they are in their queues: what a
 // read of a v1 snapshot fetches anyway (its 1 MiB chunk). gVisor's loader
 // reads a file in order, 128 KiB at a time through FUSE; without it,
 // each read (two or three 64 KiB chunks) would be a request of its own,

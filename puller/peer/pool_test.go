@@ -526,6 +526,9 @@ func TestUnresolvablePeerIsBlamed(t *testing.T) {
 	if live, _ := p.Members(); len(live) != 0 {
 		t.Errorf("peer still live after %d page faults waited for its name to resolve", timeoutsToAvoid)
 	}
+	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != timeoutsToAvoid {
+		t.Errorf("timeouts counted: %v, want %d", got, timeoutsToAvoid)
+	}
 	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("local")); got != 0 {
 		t.Errorf("local waits counted: %v, want 0", got)
 	}

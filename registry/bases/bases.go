@@ -4,9 +4,11 @@
 // references the packs of the pause before it instead of having the
 // registry copy their frames into new packs.
 //
-// The record is a hint: it names a digest of the same repository, and the
-// pusher loads that snapshot by digest, verified, as any base. A snapshot
-// deleted since is never answered.
+// Only a snapshot put under a tag is recorded (a tag is what others see;
+// a push by digest alone is not), and the record is a hint: it names a
+// digest of the same repository, and the pusher loads that snapshot by
+// digest, verified, as any base. A manifest gone since is never answered
+// (an untagged one stays until garbage collection removes it).
 package bases
 
 import (
@@ -23,7 +25,9 @@ import (
 )
 
 // Root is where the records live in the storage driver:
-// Root/<repository>/latest.
+// Root/<repository>/_latest (a leading underscore cannot start a
+// repository name's component, so no repository's record lies in
+// another's path).
 const Root = "/cryo/v1/bases"
 
 // Store keeps the records in a registry's storage driver.
@@ -38,7 +42,7 @@ func New(driver extstore.Driver, ns distribution.Namespace) *Store {
 	return &Store{driver: driver, ns: ns}
 }
 
-func recordPath(repo string) string { return path.Join(Root, repo, "latest") }
+func recordPath(repo string) string { return path.Join(Root, repo, "_latest") }
 
 // snapshotIndex holds the fields that make a manifest a v2 snapshot index.
 type snapshotIndex struct {
@@ -46,11 +50,12 @@ type snapshotIndex struct {
 	ArtifactType string `json:"artifactType"`
 }
 
-// Record notes manifest body, of digest d and just stored in repo, as the
-// repository's latest v2 snapshot if it is a v2 snapshot index.
-func (s *Store) Record(ctx context.Context, repo string, d digest.Digest, body []byte) error {
+// Record notes manifest body, of digest d and just stored in repo under
+// tag, as the repository's latest v2 snapshot if it is a v2 snapshot
+// index; a manifest put by digest alone (tag "") is not recorded.
+func (s *Store) Record(ctx context.Context, repo, tag string, d digest.Digest, body []byte) error {
 	var m snapshotIndex
-	if json.Unmarshal(body, &m) != nil || m.MediaType != ocispec.MediaTypeImageIndex || m.ArtifactType != format.ArtifactTypeSnapshotV2 {
+	if tag == "" || json.Unmarshal(body, &m) != nil || m.MediaType != ocispec.MediaTypeImageIndex || m.ArtifactType != format.ArtifactTypeSnapshotV2 {
 		return nil
 	}
 	desc := ocispec.Descriptor{MediaType: m.MediaType, ArtifactType: m.ArtifactType, Digest: d, Size: int64(len(body))}
@@ -91,20 +96,4 @@ func (s *Store) Latest(ctx context.Context, repo string) (ocispec.Descriptor, bo
 		return ocispec.Descriptor{}, false, err
 	}
 	return desc, true, nil
-}
-
-// Forget drops repo's record if it names d, a manifest just deleted.
-func (s *Store) Forget(ctx context.Context, repo string, d digest.Digest) error {
-	data, err := s.driver.GetContent(ctx, recordPath(repo))
-	if err != nil {
-		return nil
-	}
-	var desc ocispec.Descriptor
-	if json.Unmarshal(data, &desc) == nil && desc.Digest != d {
-		return nil
-	}
-	if err := s.driver.Delete(ctx, recordPath(repo)); err != nil && !extstore.IsNotFound(err) {
-		return fmt.Errorf("drop latest v2 snapshot of %s: %w", repo, err)
-	}
-	return nil
 }
