@@ -50,9 +50,10 @@ type UnpackOptions struct {
 	// InPlace vouches for wrongly still fails the whole file's check.
 	InPlace func(f *File, c Chunk) bool
 	// Verified, if set, reports that file f, opened in the staging dir as
-	// opened, is complete and that the caller has checked its sha256 in
-	// that very file (os.SameFile): UnpackFrom only gives it its size and
-	// mode and flushes it.
+	// opened, is complete and that the caller has verified every byte of
+	// that very file (os.SameFile): its sha256, or each chunk's before the
+	// caller wrote it at the offset f's table gives. UnpackFrom only gives
+	// it its size and mode and flushes it.
 	Verified func(f *File, opened fs.FileInfo) bool
 }
 

@@ -2,10 +2,8 @@ package cache
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
-	"hash"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -27,7 +25,9 @@ import (
 // a chunk file of its own. Reads of a chunk by digest (Get, ReadAt) find
 // it there, in the assembly of any snapshot, and in materialized image
 // dirs, through their chunk lists (ChunkList). When every chunk is in
-// place, WriteImage flushes and verifies the files and commits the dir:
+// place, WriteImage flushes the files (each of whose chunks was written
+// from verified bytes; any other is verified chunk by chunk and whole)
+// and commits the dir:
 // the assembly becomes the snapshot's materialized dir with no second
 // copy. Chunks not written in place (the store had them already, in
 // another image dir, or their write failed) are copied or fetched then.
@@ -124,21 +124,8 @@ type Assembly struct {
 	done    bool
 	// commitMu makes WriteImages of one assembly take turns.
 	commitMu sync.Mutex
-	// kick wakes the hasher goroutine; stop, closed once done, ends it.
-	kick, stop chan struct{}
-	// digests are the files' sha256s (from the snapshot); hashes hash
-	// each file in order as its chunks land, so that the commit need not
-	// read the files back.
+	// digests are the files' sha256s (from the snapshot).
 	digests []digest.Digest
-	hashes  []fileHash
-}
-
-// fileHash is the sha256 of a file being assembled, over its first next
-// chunks.
-type fileHash struct {
-	mu   sync.Mutex
-	h    hash.Hash
-	next int
 }
 
 // slot is a chunk an assembly still wants: file and chunk index.
@@ -176,13 +163,11 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 		return nil, err
 	}
 	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files))}
-	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), tainted: make([]bool, len(chunks)), hashes: make([]fileHash, len(chunks))}
+	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), tainted: make([]bool, len(chunks))}
 	img.asm = a
-	a.kick, a.stop = make(chan struct{}, 1), make(chan struct{})
 	for i, f := range snap.Files {
 		img.paths = append(img.paths, f.Path)
 		a.digests = append(a.digests, f.Digest)
-		a.hashes[i].h = sha256.New()
 		fd, err := createSized(tmp, f.Path, f.Size)
 		if err != nil {
 			img.closeFiles()
@@ -198,7 +183,6 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 		s.wanted = map[digest.Digest][]slot{}
 	}
 	s.assembling[d] = a
-	go a.hasher()
 	for fi, fc := range chunks {
 		for ci, c := range fc {
 			if c.Encoding != format.EncodingZero {
@@ -447,143 +431,15 @@ func (s *Store) place(d digest.Digest, data []byte) (bool, error) {
 	delete(s.placing, d)
 	close(ch)
 	s.mu.Unlock()
-	for i, sl := range slots {
-		if errs[i] == nil {
-			sl.a.advance(sl.file, sl.chunk, data, false)
-		}
-	}
 	if len(failed) == len(slots) {
 		return false, err
 	}
 	return true, nil
 }
 
-// zeros is what zero chunks hash as, a piece at a time.
-var zeros = make([]byte, 1<<20)
-
-// inlineZeros bounds the zeros a fetch writer hashes for a file before
-// the chunk it wrote; longer runs are left to the hasher.
-const inlineZeros = 1 << 20
-
-// advance hashes file fi's chunks in order as far as they are in place.
-// From a fetch writer (ci the chunk it just wrote, data its bytes,
-// readBack false) it hashes only that chunk, and short runs of zero
-// chunks before it, if the file's hash has got that far, and never waits:
-// what needs reading back is left to the assembly's hasher goroutine,
-// kicked, so that a writer goes back to its queue (page faults wait
-// behind it). With readBack (the hasher, the commit) it waits its turn and
-// reads back the chunks written earlier. It returns whether the whole file
-// is hashed.
-func (a *Assembly) advance(fi, ci int, data []byte, readBack bool) bool {
-	fh := &a.hashes[fi]
-	if readBack {
-		fh.mu.Lock()
-	} else if !fh.mu.TryLock() {
-		a.kickHasher()
-		return false
-	}
-	done, leave := a.advanceLocked(fh, fi, ci, data, readBack)
-	fh.mu.Unlock()
-	if leave {
-		a.kickHasher()
-	}
-	return done
-}
-
-// advanceLocked is advance with fh.mu held. It returns whether the whole
-// file is hashed, and, without readBack, whether it stopped at work for
-// the hasher: a chunk written earlier, or a long run of zero chunks.
-func (a *Assembly) advanceLocked(fh *fileHash, fi, ci int, data []byte, readBack bool) (done, leave bool) {
-	fc := a.chunks[fi]
-	var zeroRun int64
-	for ; fh.next < len(fc); fh.next++ {
-		c := fc[fh.next]
-		switch {
-		case c.Encoding == format.EncodingZero:
-			if !readBack {
-				if zeroRun += c.Size; zeroRun > inlineZeros {
-					return false, true
-				}
-			}
-			for n := c.Size; n > 0; n -= int64(len(zeros)) {
-				fh.h.Write(zeros[:min(n, int64(len(zeros)))])
-			}
-		case fh.next == ci:
-			fh.h.Write(data)
-		case a.isFilled(fi, fh.next):
-			if !readBack {
-				return false, true
-			}
-			if !a.hashBack(fh, c, fi) {
-				return false, false
-			}
-		default:
-			return false, false
-		}
-	}
-	return true, false
-}
-
-// kickHasher wakes the assembly's hasher goroutine.
-func (a *Assembly) kickHasher() {
-	select {
-	case a.kick <- struct{}{}:
-	default:
-	}
-}
-
-// hasher hashes the assembly's files as far as they are in place each
-// time a writer leaves it work, until the assembly is committed or
-// discarded.
-func (a *Assembly) hasher() {
-	for {
-		select {
-		case <-a.stop:
-			return
-		case <-a.kick:
-		}
-		for fi := range a.chunks {
-			a.advance(fi, -1, nil, true)
-		}
-	}
-}
-
-// finishLocked marks the assembly committed or discarded and stops its
-// hasher. Called with s.mu held.
-func (a *Assembly) finishLocked() {
-	if !a.done {
-		a.done = true
-		close(a.stop)
-	}
-}
-
-// hashBack hashes chunk c of file fi, read back from the file it was
-// written into.
-func (a *Assembly) hashBack(fh *fileHash, c format.Chunk, fi int) bool {
-	s := a.s
-	s.mu.Lock()
-	if a.done {
-		s.mu.Unlock()
-		return false
-	}
-	a.img.users++
-	f := a.img.fds[fi]
-	s.mu.Unlock()
-	defer s.endImageUse(a.img)
-	bp, buf := s.buffer(c.Size)
-	defer s.verifyBufs.Put(bp)
-	if n, _ := f.ReadAt(buf, c.Offset); n != len(buf) {
-		return false
-	}
-	fh.h.Write(buf)
-	return true
-}
-
-func (a *Assembly) isFilled(fi, ci int) bool {
-	a.s.mu.Lock()
-	defer a.s.mu.Unlock()
-	return a.filled[fi][ci]
-}
+// finishLocked marks the assembly committed or discarded. Called with
+// s.mu held.
+func (a *Assembly) finishLocked() { a.done = true }
 
 func (s *Store) endImageUse(img *image) {
 	s.mu.Lock()
@@ -592,16 +448,31 @@ func (s *Store) endImageUse(img *image) {
 }
 
 // verifiedWhole reports whether file f of the assembly is complete in
-// place and hashes to its digest (for format.UnpackOptions.Verified).
+// place from bytes this process verified (for
+// format.UnpackOptions.Verified): the file it created, never found
+// damaged, with every non-zero chunk written into it from verified bytes
+// (place) and its zero chunks left as the holes it was created with.
+// Every byte of it was then checked (its chunk's sha256, before it was
+// written) and written where the snapshot's validated table puts it, so
+// the file is the snapshot's without its sha256 computed again: that
+// would be a second sha256 of every restored byte, on cores the sandbox
+// is loading on.
 func (a *Assembly) verifiedWhole(f *format.File, opened fs.FileInfo) bool {
 	fi := a.fileIndex(f)
-	if fi < 0 || a.digests[fi] != f.Digest || a.isTainted(fi) || !a.sameFile(fi, opened) || !a.advance(fi, -1, nil, true) {
+	if fi < 0 || a.digests[fi] != f.Digest || !a.sameFile(fi, opened) {
 		return false
 	}
-	fh := &a.hashes[fi]
-	fh.mu.Lock()
-	defer fh.mu.Unlock()
-	return digest.NewDigestFromBytes(digest.SHA256, fh.h.Sum(nil)) == f.Digest
+	a.s.mu.Lock()
+	defer a.s.mu.Unlock()
+	if a.tainted[fi] {
+		return false
+	}
+	for ci, c := range a.chunks[fi] {
+		if c.Encoding != format.EncodingZero && !a.filled[fi][ci] {
+			return false
+		}
+	}
+	return true
 }
 
 // sameFile reports whether opened is the assembly's file fi: not so if
