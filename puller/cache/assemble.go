@@ -441,12 +441,6 @@ func (s *Store) place(d digest.Digest, data []byte) (bool, error) {
 // s.mu held.
 func (a *Assembly) finishLocked() { a.done = true }
 
-func (s *Store) endImageUse(img *image) {
-	s.mu.Lock()
-	img.release()
-	s.mu.Unlock()
-}
-
 // verifiedWhole reports whether file f of the assembly is complete in
 // place from bytes this process verified (for
 // format.UnpackOptions.Verified): the file it created, never found
@@ -487,14 +481,6 @@ func (a *Assembly) sameFile(fi int, opened fs.FileInfo) bool {
 	}
 	info, err := f.Stat()
 	return err == nil && os.SameFile(info, opened)
-}
-
-// isTainted reports whether a chunk of file fi was found damaged in place:
-// the commit then verifies each of its chunks again.
-func (a *Assembly) isTainted(fi int) bool {
-	a.s.mu.Lock()
-	defer a.s.mu.Unlock()
-	return a.tainted[fi]
 }
 
 // fileIndex returns the index of file f in the assembly, or -1.
