@@ -19,7 +19,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -31,6 +30,7 @@ import (
 	"github.com/cryo-oci/cryo/format/chunker"
 	"github.com/cryo-oci/cryo/format/layout"
 	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/transfer"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
@@ -130,20 +130,7 @@ func addedBytes(b *testing.B, first, second string, opts format.PackOptions) (ad
 
 // blobBytes sums the sizes of the blobs of the layout at root.
 func blobBytes(b *testing.B, root string) int64 {
-	var n int64
-	err := filepath.WalkDir(filepath.Join(root, "blobs"), func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.Type().IsRegular() {
-			info, err := d.Info()
-			if err != nil {
-				return err
-			}
-			n += info.Size()
-		}
-		return nil
-	})
+	n, err := transfer.DirSize(filepath.Join(root, "blobs"))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -20,6 +20,7 @@ package pause
 import (
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io/fs"
@@ -34,6 +35,7 @@ import (
 
 	"github.com/cryo-oci/cryo/internal/gvisortest"
 	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/transfer"
 )
 
 var (
@@ -210,25 +212,8 @@ func measure(b *testing.B, reg *testenv.Registry, push func() int64) result {
 // driver under root) stores.
 func blobBytes(b *testing.B, root string) int64 {
 	b.Helper()
-	var n int64
-	dir := filepath.Join(root, "docker", "registry", "v2", "blobs")
-	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			if os.IsNotExist(err) && path == dir {
-				return filepath.SkipDir
-			}
-			return err
-		}
-		if d.Type().IsRegular() {
-			info, err := d.Info()
-			if err != nil {
-				return err
-			}
-			n += info.Size()
-		}
-		return nil
-	})
-	if err != nil {
+	n, err := transfer.DirSize(filepath.Join(root, "docker", "registry", "v2", "blobs"))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		b.Fatal(err)
 	}
 	return n

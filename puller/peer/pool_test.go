@@ -187,6 +187,28 @@ func countedStallingPeer(t *testing.T, answer bool) (string, *atomic.Int32) {
 	return strings.TrimPrefix(srv.URL, "http://"), &held
 }
 
+// holdEveryConnection has MaxConnsPerPeer background fetches of p take
+// every connection to its one peer (which counts the requests it holds in
+// inFlight) until the test ends.
+func holdEveryConnection(t *testing.T, p *Pool, inFlight *atomic.Int32) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	var holders sync.WaitGroup
+	t.Cleanup(func() { cancel(); holders.Wait() })
+	for range MaxConnsPerPeer {
+		holders.Add(1)
+		go func() {
+			defer holders.Done()
+			p.For("r/x").Fetch(ctx, []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil })
+		}()
+	}
+	for deadline := time.Now().Add(30 * time.Second); inFlight.Load() < MaxConnsPerPeer; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests reached the peer, want %d", inFlight.Load(), MaxConnsPerPeer)
+		}
+	}
+}
+
 // oneByte is a chunk to ask peers for.
 var oneByte = format.Chunk{Digest: digest.FromString("a"), Blob: digest.FromString("a"), Encoding: format.EncodingRaw, Size: 1, BlobSize: 1}
 
@@ -425,21 +447,7 @@ func TestLocalConnectionWaitIsNotThePeers(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond,
 		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
-	ctx, cancel := context.WithCancel(context.Background())
-	var holders sync.WaitGroup
-	t.Cleanup(func() { cancel(); holders.Wait() })
-	for range MaxConnsPerPeer {
-		holders.Add(1)
-		go func() {
-			defer holders.Done()
-			p.For("r/x").Fetch(ctx, []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil })
-		}()
-	}
-	for deadline := time.Now().Add(30 * time.Second); inFlight.Load() < MaxConnsPerPeer; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d requests reached the peer, want %d", inFlight.Load(), MaxConnsPerPeer)
-		}
-	}
+	holdEveryConnection(t, p, inFlight)
 	for i := 1; i <= 2*timeoutsToAvoid; i++ {
 		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
@@ -471,21 +479,7 @@ func TestPeerHoldingEveryConnectionIsBlamed(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	p := newPool(t, PoolOptions{Peers: []string{addr}, UrgentWait: 100 * time.Millisecond,
 		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
-	ctx, cancel := context.WithCancel(context.Background())
-	var holders sync.WaitGroup
-	t.Cleanup(func() { cancel(); holders.Wait() })
-	for range MaxConnsPerPeer {
-		holders.Add(1)
-		go func() {
-			defer holders.Done()
-			p.For("r/x").Fetch(ctx, []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil })
-		}()
-	}
-	for deadline := time.Now().Add(30 * time.Second); inFlight.Load() < MaxConnsPerPeer; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d requests reached the peer, want %d", inFlight.Load(), MaxConnsPerPeer)
-		}
-	}
+	holdEveryConnection(t, p, inFlight)
 	for i := 1; i <= timeoutsToAvoid; i++ {
 		if n := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
