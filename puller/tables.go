@@ -38,9 +38,10 @@ type tables struct {
 	mu    sync.Mutex
 	cond  *sync.Cond
 	parts [][]*partTable
-	// urgent counts the fetches a read waits for, background the others:
-	// the background starts none while urgent > 0, and at most
-	// backgroundTableLoads at once.
+	// urgent counts the fetches a read waits for (at most
+	// urgentTableLoads at once), background the others: the background
+	// starts none while urgent > 0, and at most backgroundTableLoads at
+	// once.
 	urgent, background int
 }
 
@@ -61,6 +62,12 @@ type partTable struct {
 
 // backgroundTableLoads is how many parts' tables a background loads at once.
 const backgroundTableLoads = 4
+
+// urgentTableLoads bounds the tables that reads waiting for them load at
+// once: page faults all over a large snapshot must not fetch (and hold) a
+// table of up to format.MaxTableSize for every part at the same time. The
+// standalone gofer runs in the sandbox's cgroup.
+const urgentTableLoads = 8
 
 // newTables returns the tables of snap, loaded from src under ctx (its end
 // stops every load), each waiter retrying fetch failures for up to
@@ -151,9 +158,9 @@ func (t *tables) wait(ctx context.Context, fi, pi int, hurry bool) ([]format.Chu
 }
 
 // load loads one part's table until deadline: each fetch waits for its
-// turn (at once if a read waits for the part; else once no read waits for
-// a table and fewer than backgroundTableLoads run), and a failed one is
-// tried again with backoff.
+// turn (if a read waits for the part, once fewer than urgentTableLoads
+// such fetches run; else once no read waits for a table and fewer than
+// backgroundTableLoads run), and a failed one is tried again with backoff.
 func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 	ctx, cancel := context.WithDeadline(t.ctx, deadline)
 	defer cancel()
@@ -168,7 +175,7 @@ func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 	var err, failed error // failed: the last fetch's own error
 	for {
 		t.mu.Lock()
-		for !p.hurried && (t.urgent > 0 || t.background >= backgroundTableLoads) && ctx.Err() == nil {
+		for ctx.Err() == nil && (p.hurried && t.urgent >= urgentTableLoads || !p.hurried && (t.urgent > 0 || t.background >= backgroundTableLoads)) {
 			t.cond.Wait()
 		}
 		urgent := p.hurried

@@ -3,8 +3,11 @@ package puller
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -202,5 +205,68 @@ func TestTableOutageThenRecovery(t *testing.T) {
 	want, _ := os.ReadFile(filepath.Join(src, format.PagesFile))
 	if err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("read of pages.img once its table is served again: %d bytes, %v", len(got), err)
+	}
+}
+
+// holdingFetcher holds every fetch until its context ends, counting the
+// fetches held at once.
+type holdingFetcher struct {
+	mu        sync.Mutex
+	held, max int
+}
+
+func (h *holdingFetcher) Fetch(ctx context.Context, _ ocispec.Descriptor) (io.ReadCloser, error) {
+	h.mu.Lock()
+	h.held++
+	h.max = max(h.max, h.held)
+	h.mu.Unlock()
+	<-ctx.Done()
+	h.mu.Lock()
+	h.held--
+	h.mu.Unlock()
+	return nil, ctx.Err()
+}
+
+func (h *holdingFetcher) counts() (held, most int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.held, h.max
+}
+
+// TestUrgentTableLoadsBounded: reads waiting for the tables of 40 parts
+// at once (page faults all over a large snapshot) fetch at most
+// urgentTableLoads of them at a time.
+func TestUrgentTableLoadsBounded(t *testing.T) {
+	const parts = 40
+	f := format.File{Path: format.PagesFile, Size: parts << 20, Version: format.V2}
+	for i := range parts {
+		f.Parts = append(f.Parts, format.Part{Offset: int64(i) << 20, Length: 1 << 20,
+			Manifest: ocispec.Descriptor{MediaType: ocispec.MediaTypeImageManifest, Digest: digest.FromString(fmt.Sprint(i)), Size: 100}})
+	}
+	src := &holdingFetcher{}
+	ctx, cancel := context.WithCancel(context.Background())
+	tabs := newTables(ctx, src, &format.Snapshot{Files: []format.File{f}}, time.Hour)
+	var readers sync.WaitGroup
+	for pi := range parts {
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			tabs.part(ctx, 0, pi)
+		}()
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if held, _ := src.counts(); held >= urgentTableLoads {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the reads' table fetches never started")
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // room for fetches beyond the bound
+	_, most := src.counts()
+	cancel()
+	readers.Wait()
+	if most > urgentTableLoads {
+		t.Errorf("%d table fetches at once for reads, want at most %d", most, urgentTableLoads)
 	}
 }
