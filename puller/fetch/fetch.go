@@ -656,12 +656,13 @@ const MaxCoalesce = format.DefaultPackSize
 // ReadAhead is the stored bytes the range request of a read (priority
 // Read) is filled up to, past the frames queued right behind it, with the
 // queued reads and prefetches of the frames that follow in the same pack,
-// wherever they are in their queues: what a
-// read of a v1 snapshot fetches anyway (its 1 MiB chunk). gVisor's loader
-// reads a file in order, 128 KiB at a time through FUSE; without it,
-// each read (two or three 64 KiB chunks) would be a request of its own,
-// and a registry's cost is per request.
-const ReadAhead = 1 << 20
+// wherever they are in their queues: a pack, as a background fetch takes.
+// gVisor's loader reads a file in order, 128 KiB at a time through FUSE;
+// without it, each read (two or three 64 KiB chunks) would be a request of
+// its own, and a registry's cost is per request (measured: 5,174 requests
+// for a 2 GiB restore, 2,600 with 1 MiB of read-ahead, 870 with 4 MiB).
+// It fetches nothing that was not queued.
+const ReadAhead = MaxCoalesce
 
 // frame is where a format v2 chunk lies: its pack and its offset there.
 type frame struct {

@@ -52,13 +52,13 @@ func packedChunks(seed uint64, n, size int) ([]format.Chunk, blobs) {
 
 // TestReadReadsAhead: a read (priority Read) of one frame of a pack whose
 // following frames are queued as prefetches fetches them with it, in one
-// range request of ReadAhead bytes, as a read of a v1 snapshot fetches its
-// whole 1 MiB chunk: gVisor's loader reads 128 KiB at a time, and one
-// request per read would cost the registry 8 times the requests.
+// range request of ReadAhead bytes: gVisor's loader reads 128 KiB at a
+// time, and one request per read would cost the registry many times the
+// requests.
 func TestReadReadsAhead(t *testing.T) {
 	c, codec := setup(t)
 	const size = 32 << 10
-	cs, b := packedChunks(1, 64, size)
+	cs, b := packedChunks(1, 160, size) // 5 MiB: more than ReadAhead past the read
 	store := &rangeLog{gate: newGate(b)}
 	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
 	ctx := context.Background()
