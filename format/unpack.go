@@ -47,7 +47,8 @@ type UnpackOptions struct {
 	// process from bytes it verified: UnpackFrom reads it back for the
 	// file's sha256 but does not hash it on its own again. Every other
 	// chunk found in a staging file is verified before it is kept. A chunk
-	// InPlace vouches for wrongly still fails the whole file's check.
+	// InPlace vouches for wrongly still fails the whole file's check (when
+	// Verified did not vouch for the file).
 	InPlace func(f *File, c Chunk) bool
 	// Verified, if set, reports that file f, opened in the staging dir as
 	// opened, is complete and that the caller has verified every byte of
@@ -113,7 +114,9 @@ func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, d
 
 // UnpackFrom writes snapshot snap, whose files' chunks are chunks (from
 // LoadChunks), into dir, reading every chunk from src. Every chunk is
-// verified and every whole file checked against its sha256; zero chunks
+// verified and every whole file checked against its sha256 (but a file
+// UnpackOptions.Verified vouches for, whose caller verified every byte of
+// it); zero chunks
 // are left as holes (sparse files). Files are written into PartialDir(dir)
 // and moved into place by one rename only when all of them verified, so
 // dir never holds a partial or corrupt snapshot. If an earlier unpack into

@@ -430,8 +430,8 @@ func (l *load) useProfile(ctx context.Context, c <-chan foundProfile) {
 const profileTablesTimeout = 10 * time.Second
 
 // profileChunks lists the chunks covering ranges, in the ranges' order,
-// each once: the tables of their parts are loaded first, all at once,
-// for up to profileTablesTimeout.
+// each once: the tables of their parts are loaded first, as a read's (at
+// most urgentTableLoads at a time), for up to profileTablesTimeout.
 func profileChunks(ctx context.Context, t *tables, ranges []profile.Range) ([]format.Chunk, error) {
 	ctx, cancel := context.WithTimeout(ctx, profileTablesTimeout)
 	defer cancel()

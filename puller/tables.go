@@ -63,6 +63,10 @@ type partTable struct {
 // backgroundTableLoads is how many parts' tables a background loads at once.
 const backgroundTableLoads = 4
 
+// tableFetchTimeout bounds one attempt at a part's table (its manifest
+// and table, at most format.MaxManifestSize and format.MaxTableSize).
+const tableFetchTimeout = 60 * time.Second
+
 // urgentTableLoads bounds the tables that reads waiting for them load at
 // once: page faults all over a large snapshot must not fetch (and hold) a
 // table of up to format.MaxTableSize for every part at the same time. The
@@ -187,7 +191,12 @@ func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 		t.mu.Unlock()
 		var pt *format.PartTable
 		if ctx.Err() == nil {
-			pt, err = format.LoadPart(ctx, t.src, f, pi)
+			// One attempt holds a slot for at most tableFetchTimeout: a
+			// download that stalls is tried again, and leaves its slot to
+			// others meanwhile.
+			actx, acancel := context.WithTimeout(ctx, tableFetchTimeout)
+			pt, err = format.LoadPart(actx, t.src, f, pi)
+			acancel()
 		} else {
 			err = ctx.Err()
 		}

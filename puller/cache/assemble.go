@@ -453,7 +453,7 @@ func (a *Assembly) finishLocked() { a.done = true }
 // is loading on.
 func (a *Assembly) verifiedWhole(f *format.File, opened fs.FileInfo) bool {
 	fi := a.fileIndex(f)
-	if fi < 0 || a.digests[fi] != f.Digest || !a.sameFile(fi, opened) {
+	if fi < 0 || a.digests[fi] != f.Digest || opened.Size() != f.Size || !a.sameFile(fi, opened) {
 		return false
 	}
 	a.s.mu.Lock()
@@ -581,7 +581,8 @@ func (s *Store) commitAssembly(a *Assembly) error {
 		return nil
 	}
 	a.img.dir = s.ImagePath(d)
-	// UnpackFrom verified every chunk and every whole file.
+	// Every chunk was verified: by this process before it wrote it in
+	// place, or by UnpackFrom.
 	for _, p := range ps {
 		s.addPlaceLocked(a.img, p.d, p.file, p.off, p.size, true)
 	}
@@ -736,12 +737,13 @@ func (s *Store) dropPlace(d digest.Digest, p *place, what string) error {
 // WriteImage materializes snapshot snap, whose files' chunks are chunks
 // (format.LoadChunks), as its image dir, unless the cache holds that dir
 // complete already. With a live assembly of the snapshot (Assemble), that
-// is the assembly's dir: the chunks written in place are read back for
-// each file's sha256, the others taken from src (another image dir of the
-// node, or a fetch) and written, every file flushed, and the dir
-// committed (CommitImage) with its chunk list. Without one, every chunk
-// comes from src into a new dir. Either way it is format.UnpackFrom's
-// write: every chunk and every whole file verified, zero chunks left as
+// is the assembly's dir: a file each of whose chunks was written in place
+// from verified bytes is only flushed (verifiedWhole); in any other, the
+// chunks not written in place are taken from src (another image dir of
+// the node, or a fetch) and written, and the whole file's sha256 checked;
+// then the dir is committed (CommitImage) with its chunk list. Without
+// one, every chunk comes from src into a new dir. Either way it is
+// format.UnpackFrom's write: every chunk verified, zero chunks left as
 // holes, files 0600 and dirs 0700 whatever modes the snapshot records.
 func (s *Store) WriteImage(ctx context.Context, snap *format.Snapshot, chunks [][]format.Chunk, src format.ChunkSource) error {
 	d := snap.Descriptor.Digest

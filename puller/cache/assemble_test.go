@@ -342,7 +342,7 @@ func (s *mapSource) Chunk(_ context.Context, c format.Chunk, _ []byte) ([]byte, 
 // from under it, as a second process opening the same cache dir does
 // (Open clears temporary dirs): the commit must not make the files it then
 // finds (created again, empty) the materialized dir on the strength of
-// the hash of the bytes written into the removed ones.
+// the bytes written into the removed ones.
 func TestAssemblyRemovedUnderItNeverCommitsZeros(t *testing.T) {
 	root := t.TempDir()
 	s, _ := Open(root, 0)
