@@ -50,7 +50,8 @@ type partTable struct {
 	// loading is set while a loader runs; done is closed when it ends.
 	loading bool
 	done    chan struct{}
-	// hurried says a read waits for the part: its fetches start at once.
+	// hurried says a read waits for the part: its fetches go ahead of the
+	// background's (at most urgentTableLoads at once).
 	hurried bool
 	// chunks is set, once, when the table is in: read without mu, so
 	// that reads of a loaded part take no lock. err: a permanent error.
@@ -63,15 +64,15 @@ type partTable struct {
 // backgroundTableLoads is how many parts' tables a background loads at once.
 const backgroundTableLoads = 4
 
-// tableFetchTimeout bounds one attempt at a part's table (its manifest
-// and table, at most format.MaxManifestSize and format.MaxTableSize).
-const tableFetchTimeout = 60 * time.Second
-
 // urgentTableLoads bounds the tables that reads waiting for them load at
 // once: page faults all over a large snapshot must not fetch (and hold) a
 // table of up to format.MaxTableSize for every part at the same time. The
 // standalone gofer runs in the sandbox's cgroup.
 const urgentTableLoads = 8
+
+// tableFetchTimeout bounds one attempt at a part's table (its manifest
+// and table, at most format.MaxManifestSize and format.MaxTableSize).
+const tableFetchTimeout = 60 * time.Second
 
 // newTables returns the tables of snap, loaded from src under ctx (its end
 // stops every load), each waiter retrying fetch failures for up to

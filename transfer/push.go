@@ -126,11 +126,10 @@ func useBase(ctx context.Context, repo *remote.Repository, tag string, opts Push
 	if err != nil || snap.Version != format.V2 {
 		return nil, nil
 	}
-	base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts)
-	if err != nil {
-		return nil, nil
+	if base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts); err == nil {
+		return base, nil
 	}
-	return base, nil
+	return nil, nil
 }
 
 // loadBase loads the tables of snap (of desc, named name) and makes them

@@ -195,7 +195,7 @@ const BaseSuffix = "/_cryo/base"
 var ErrNoBase = errors.New("no format v2 snapshot recorded in the repository")
 
 // LatestSnapshot asks the registry at baseURL for the format v2 snapshot
-// index stored last in repository. A registry without the extension gives
+// index stored last in repository under a tag. A registry without the extension gives
 // ErrUnsupported; one that knows none, ErrNoBase. The descriptor is the
 // registry's word: load the snapshot by its digest, verified.
 func LatestSnapshot(ctx context.Context, c Doer, baseURL, repository string) (ocispec.Descriptor, error) {

@@ -1,5 +1,5 @@
 // Package bases records, for each repository of a registry, the format v2
-// snapshot stored in it last: the base a v2 push to a tag that names
+// snapshot stored in it last under a tag: the base a v2 push to a tag that names
 // nothing yet takes (SPEC.md 12.6), so that a pause pushed under a new tag
 // references the packs of the pause before it instead of having the
 // registry copy their frames into new packs.
