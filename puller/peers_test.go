@@ -1,19 +1,25 @@
 package puller
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/peer"
+	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -356,4 +362,128 @@ func metric(t *testing.T, reg *prometheus.Registry, name string, labels ...strin
 		}
 	}
 	return sum
+}
+
+// gatedOwner is an owner whose answers wait: a request for blob gate
+// waits until open is closed; the first request for any other blob sends
+// its chunk count on asked, answers its header (it is alive) and sends
+// nothing until its asker gives up; later ones are served.
+type gatedOwner struct {
+	peer.Chunks
+	gate      digest.Digest
+	gateAsked chan struct{}
+	open      chan struct{}
+	asked     chan int
+	held      atomic.Bool
+}
+
+func (g *gatedOwner) ServeChunks(ctx context.Context, repo string, chunks []format.Chunk, urgent bool, ready func(), emit func([]byte) error) error {
+	switch {
+	case chunks[0].Blob == g.gate:
+		g.gateAsked <- struct{}{}
+		select {
+		case <-g.open:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	case g.held.CompareAndSwap(false, true):
+		ready()
+		g.asked <- len(chunks)
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	return g.Chunks.ServeChunks(ctx, repo, chunks, urgent, ready, emit)
+}
+
+// TestSlowOwnerCostsTheRegistryOnlyWhatReadsWaitOn: a pack's frames are
+// asked of their owner, which answers and then sends nothing; a read
+// comes to wait on a frame in the middle of them. The read waits the
+// short wait, then gets that frame from the registry; the frames before
+// and after it, which no read waits on, are asked of the owner again and
+// come from it, not from the registry: on a busy pool, a slow owner
+// costs the registry the chunks reads wait on, not whole packs (issue
+// 14's egress at 32 nodes).
+func TestSlowOwnerCostsTheRegistryOnlyWhatReadsWaitOn(t *testing.T) {
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 16<<20, 11)
+	s.Repository = r.host + "/app"
+	want, err := os.ReadFile(filepath.Join(src, format.PagesFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	byPack := map[digest.Digest][]format.Chunk{}
+	var packs []digest.Digest
+	for _, c := range snapshotChunksOf(t, s, format.PagesFile) {
+		if c.Encoding == format.EncodingZero {
+			continue
+		}
+		if byPack[c.Blob] == nil {
+			packs = append(packs, c.Blob)
+		}
+		byPack[c.Blob] = append(byPack[c.Blob], c)
+	}
+	if len(packs) < 2 || len(byPack[packs[0]]) < 16 {
+		t.Fatalf("want 2 packs of 16 chunks or more, got %d packs", len(packs))
+	}
+	pack, gate := byPack[packs[0]], byPack[packs[1]][0]
+
+	owner := &gatedOwner{gate: gate.Blob, gateAsked: make(chan struct{}, 1), open: make(chan struct{}), asked: make(chan int, 1)}
+	nodes := startPool(t, 1, func(_ int, c peer.Chunks) peer.Chunks { owner.Chunks = c; return owner })
+	reg := prometheus.NewRegistry()
+	pool, err := peer.NewPool(context.Background(), peer.PoolOptions{Peers: []string{nodes[0].addr}, Token: testToken, UrgentWait: 300 * time.Millisecond, BackgroundWait: time.Minute, AnswerWait: time.Minute, Metrics: peer.NewMetrics(reg)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	c, err := cache.Open(t.TempDir(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	codec, err := format.NewCodec(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer codec.Close()
+	// One worker: it is busy with the gate's chunk while the pack's are
+	// queued, then takes them all in one batch.
+	sched := fetch.New(s.Endpoints, c, codec, fetch.Options{Workers: 1, Peers: pool.For(s.Repository), Metrics: fetch.NewMetrics(reg)})
+	defer sched.Close()
+	gated := sched.Prefetch([]format.Chunk{gate})
+	<-owner.gateAsked
+	pending := sched.Prefetch(pack)
+	close(owner.open)
+	n := <-owner.asked
+	if n < 8 {
+		t.Fatalf("the owner was asked for %d of the pack's %d chunks at once, want the batch", n, len(pack))
+	}
+	k := n / 4
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	data, err := sched.Get(ctx, pack[k], nil, fetch.Read)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(data, want[pack[k].Offset:pack[k].Offset+pack[k].Size]) {
+		t.Fatal("the read got wrong bytes")
+	}
+	for _, p := range append(gated, pending...) {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatalf("chunk %s: %v", p.Chunk().Digest, err)
+		}
+	}
+	var others int64
+	for i, c := range pack[:n] {
+		if i != k {
+			others += c.BlobSize
+		}
+	}
+	fromRegistry := metric(t, reg, "cryo_puller_fetched_bytes_total", "endpoint", "primary")
+	fromPeers := metric(t, reg, "cryo_puller_fetched_bytes_total", "endpoint", "peers")
+	t.Logf("read chunk %d of a batch of %d; %.0f bytes from the registry, %.0f from the owner", k, n, fromRegistry, fromPeers)
+	if fromRegistry != float64(pack[k].BlobSize) {
+		t.Fatalf("the registry served %.0f bytes, want the %d of the read's chunk alone: frames no read waited on went upstream", fromRegistry, pack[k].BlobSize)
+	}
+	if fromPeers < float64(others) {
+		t.Fatalf("the owner served %.0f bytes, under the %d of the batch's other frames", fromPeers, others)
+	}
 }

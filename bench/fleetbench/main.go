@@ -39,6 +39,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -138,6 +139,9 @@ type result struct {
 	ready     []float64 // seconds, per node
 	faults    []float64 // milliseconds
 	fromPeers float64
+	// peerErrors counts the pullers' failed peer requests by kind
+	// (cryo_puller_peer_errors_total): why chunks went upstream.
+	peerErrors map[string]float64
 	// cpu is the CPU time the pullers used, busy that time over the
 	// run's wall time on every core of the machine.
 	cpu  time.Duration
@@ -476,6 +480,14 @@ func runFleet(ctx context.Context, cfg config, nw *network, dir, token, ref stri
 	wall := time.Since(start)
 	for _, d := range ds {
 		r.fromPeers += scrape(d, "cryo_puller_peer_received_bytes_total")
+		for _, kind := range []string{"unreachable", "timeout", "refused", "busy", "corrupt", "short", "local", "other"} {
+			if v := scrape(d, `cryo_puller_peer_errors_total{kind="`+kind+`"}`); v > 0 {
+				if r.peerErrors == nil {
+					r.peerErrors = map[string]float64{}
+				}
+				r.peerErrors[kind] += v
+			}
+		}
 		r.cpu += benchutil.CPUTime(d.proc.cmd.Process.Pid)
 	}
 	r.busy = r.cpu.Seconds() / (wall.Seconds() * float64(runtime.NumCPU()))
@@ -550,6 +562,21 @@ func report(cfg config, rs []result) {
 			r.allLoaded.Seconds(), benchutil.Median(r.loaded), maxOf(r.ready), len(r.faults), benchutil.Percentile(r.faults, 0.5), benchutil.Percentile(r.faults, 0.99), mib(int64(r.fromPeers)), r.cpu.Seconds(), 100*r.busy)
 	}
 	fmt.Println()
+	for _, r := range rs {
+		if len(r.peerErrors) == 0 {
+			continue
+		}
+		kinds := make([]string, 0, len(r.peerErrors))
+		for k := range r.peerErrors {
+			kinds = append(kinds, k)
+		}
+		sort.Strings(kinds)
+		var parts []string
+		for _, k := range kinds {
+			parts = append(parts, fmt.Sprintf("%s %.0f", k, r.peerErrors[k]))
+		}
+		fmt.Printf("- %s, %s: peer requests that failed (their chunks went upstream): %s\n", r.fleet, r.mode, strings.Join(parts, ", "))
+	}
 	byFleet := map[fleet]map[string]result{}
 	for _, r := range rs {
 		if byFleet[r.fleet] == nil {

@@ -35,6 +35,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
@@ -103,14 +104,20 @@ type Peers interface {
 	// bytes, decoded, and calls got with each chunk's in order as it
 	// arrives. got verifies them and returns an error if they are wrong:
 	// Fetch then stops, and avoids that peer for a while. Fetch returns
-	// how many chunks, from the first, got took; 0 if the node owns the
-	// unit itself, or no peer is live, or the owner failed. fault says a
+	// how many chunks, from the first, got took, and why not all: nil if
+	// it asked for no more than those (the limits of one request; at
+	// least one chunk), ErrNoPeer if there was no peer to ask (the node
+	// owns the unit itself, or no peer is live: the chunks are its to
+	// fetch upstream), else the peer's failure. fault says a
 	// sandbox's page fault waits on the first chunk (the owner fetches it
 	// first); urgent is closed once any read waits on the chunks (it may
 	// be from the start): from then on the wait for the peer is the short
 	// one.
-	Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(i int, data []byte) error) int
+	Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(i int, data []byte) error) (int, error)
 }
+
+// ErrNoPeer is Peers.Fetch's error when there was no peer to ask.
+var ErrNoPeer = errors.New("no peer to ask: this node owns the unit, or no peer is live")
 
 // urgency is closed when a read waits on chunks being asked of a peer.
 type urgency struct {
@@ -238,6 +245,11 @@ type call struct {
 	// single: a range request with this call's frame failed; it is
 	// fetched on its own (retries, backoff), never coalesced again.
 	single bool
+	// peerTries counts the times the call went back to its queue to be
+	// asked of the peers again, after a peer failed a batch it was in
+	// and no read waited on it (runBatch); at maxPeerTries it goes
+	// upstream with the next batch that fails.
+	peerTries int
 	// demand: a read (Get) waits for the call, not only prefetches.
 	demand bool
 	// following is the node-wide fetch of another mount the call
@@ -933,19 +945,30 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		return
 	}
 	// Peers first (Options.Peers), then the endpoints for the rest.
-	done := s.fromPeers(todo, tflights, func(i int, data []byte) {
+	done, err := s.fromPeers(todo, tflights, func(i int, data []byte) {
 		s.publish(todo[i], data)
 		if f := tflights[i]; f != nil {
 			f.verify(data)
 		}
 		s.store(todo[i].chunk, data, ends[i])
 	})
-	done += s.fetchRange(todo[done:], tflights[done:], ends[done:])
+	// [lo, hi) are fetched upstream now; the others from done go back to
+	// be asked of the peers.
+	lo, hi := done, len(todo)
+	switch {
+	case done == len(todo) || errors.Is(err, ErrNoPeer):
+	case err == nil:
+		hi = done // not asked yet: the peers' limits for one request
+	default:
+		a, b := s.upstreamShare(todo[done:])
+		lo, hi = done+a, done+b
+	}
+	got := lo + s.fetchRange(todo[lo:hi], tflights[lo:hi], ends[lo:hi])
 	// The rest go back in their queues, each to be fetched on its own by
 	// any worker (with retries and backoff), rather than one after the
 	// other here. Their node-wide fetches end first: other mounts waiting
 	// on them fetch for themselves.
-	for i := done; i < len(todo); i++ {
+	for i := got; i < hi; i++ {
 		cl := todo[i]
 		if f := tflights[i]; f != nil {
 			s.opts.InFlight.end(keyOf(cl.chunk), f, nil, errRangeFailed)
@@ -954,7 +977,95 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 			s.finish(cl, nil, ErrClosed)
 		}
 	}
+	// The others go back, first in their queues, to be asked of the
+	// peers.
+	var again []*call
+	for i := done; i < len(todo); i++ {
+		if i >= lo && i < hi {
+			continue
+		}
+		if f := tflights[i]; f != nil {
+			s.opts.InFlight.end(keyOf(todo[i].chunk), f, nil, errAskPeersAgain)
+		}
+		again = append(again, todo[i])
+	}
+	for _, cl := range s.requeueFirst(again) {
+		s.finish(cl, nil, ErrClosed)
+	}
 }
+
+// requeueFirst puts calls, in order, back at the head of their queues (the
+// next to be taken at their priority), unless the scheduler is closed or
+// a call is over; it returns the calls it did not requeue.
+func (s *Scheduler) requeueFirst(calls []*call) []*call {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var left []*call
+	var head [numPriorities][]*call
+	for _, cl := range calls {
+		if s.closed || cl.finished {
+			left = append(left, cl)
+			continue
+		}
+		cl.started = false
+		head[cl.prio] = append(head[cl.prio], cl)
+	}
+	for p, h := range head {
+		if len(h) == 0 {
+			continue
+		}
+		if Priority(p) == Fault {
+			// Faults are taken from the end (pop): the first of h last.
+			slices.Reverse(h)
+			s.queues[p] = append(s.queues[p], h...)
+		} else {
+			s.queues[p] = append(h, s.queues[p]...)
+		}
+		s.cond.Broadcast()
+	}
+	return left
+}
+
+// maxPeerTries bounds how often a call goes back to be asked of the
+// peers again (upstreamShare): a peer that fails every time costs a
+// chunk no read waits on that many of its waits, then upstream.
+const maxPeerTries = 2
+
+// upstreamShare returns the calls, of calls (frames of one pack in order
+// that a peer was asked for and failed to serve), to fetch upstream now,
+// in one range request: calls[lo:hi], from the first to the last one a
+// read waits on (the peer's wait was the short one for it, and is over)
+// or that was asked of the peers maxPeerTries times already. The others,
+// frames a prefetch queued or a read took along (ReadAhead), go back to
+// be asked of the peers again, each counted in its peerTries: a slow
+// owner, on a busy pool, then costs the registry the chunks its reads
+// wait on, not whole packs.
+func (s *Scheduler) upstreamShare(calls []*call) (lo, hi int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	lo = -1
+	for i, cl := range calls {
+		if cl.demand || cl.peerTries >= maxPeerTries {
+			if lo < 0 {
+				lo = i
+			}
+			hi = i + 1
+		}
+	}
+	if lo < 0 {
+		lo = 0
+	}
+	for i, cl := range calls {
+		if i < lo || i >= hi {
+			cl.peerTries++
+		}
+	}
+	return lo, hi
+}
+
+// errAskPeersAgain ends the node-wide fetch of a chunk that goes back to
+// be asked of the peers again (upstreamShare).
+var errAskPeersAgain = errors.New("the peer failed; the chunk is asked of the peers again")
 
 // fromPeers asks the peers (Options.Peers) for the chunks of calls,
 // frames of one blob in ascending order, and verifies each they serve;
@@ -963,10 +1074,10 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 // are asked, they say so (flight.viaPeer), and a read that comes to wait
 // on any of the calls, or on a fetch following one, makes the wait for
 // the peer the short one. It returns how many chunks, from the first, it
-// got: 0 without peers.
-func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int, data []byte)) int {
+// got, and why not all (Peers.Fetch; ErrNoPeer without peers).
+func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int, data []byte)) (int, error) {
 	if s.opts.Peers == nil || len(calls) == 0 {
-		return 0
+		return 0, ErrNoPeer
 	}
 	chunks := make([]format.Chunk, len(calls))
 	u := newUrgency()
@@ -1123,7 +1234,7 @@ func (s *Scheduler) fetchAndStore(cl *call, f *flight, done func(data []byte, er
 		return
 	}
 	var data []byte
-	if s.fromPeers([]*call{cl}, []*flight{f}, func(_ int, d []byte) { data = d }) == 0 {
+	if n, _ := s.fromPeers([]*call{cl}, []*flight{f}, func(_ int, d []byte) { data = d }); n == 0 {
 		var err error
 		if data, err = s.fetch(c); err != nil {
 			done(nil, err)

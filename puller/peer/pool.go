@@ -521,7 +521,7 @@ type repoPeers struct {
 }
 
 // Fetch implements fetch.Peers.
-func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) int {
+func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
 	return r.p.fetch(ctx, r.repo, chunks, fault, urgent, got)
 }
 
@@ -550,22 +550,22 @@ type statusError struct {
 
 func (e statusError) Error() string { return fmt.Sprintf("peer answered %d: %s", e.code, e.msg) }
 
-func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) int {
+func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
 	chunks = withinLimits(chunks)
 	if len(chunks) == 0 {
-		return 0
+		return 0, fmt.Errorf("%w: the first chunk alone is over a request's limits", fetch.ErrNoPeer)
 	}
 	owner, ok := p.owner(chunks[0].Blob)
 	if !ok || owner.self {
-		return 0
+		return 0, fetch.ErrNoPeer
 	}
 	n, err := p.ask(ctx, owner.addr, repo, chunks, fault, urgent, got)
 	if err == nil {
 		p.succeeded(owner.addr)
-		return n
+		return n, nil
 	}
 	if ctx.Err() != nil {
-		return n
+		return n, err
 	}
 	kind := errorKind(err)
 	p.opts.Metrics.failed(kind)
@@ -575,6 +575,7 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fa
 		// The member is this very node, under an address it did not
 		// know for its own: it owns what that member owns.
 		p.markSelf(owner.addr)
+		return n, fmt.Errorf("%w: %s is this node", fetch.ErrNoPeer, owner.addr)
 	case kind == "busy" || kind == "short" || kind == "local":
 		// Alive, but without the chunk now: upstream, no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
@@ -587,11 +588,11 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fa
 	default:
 		p.avoid(owner.addr, err)
 	}
-	return n
+	return n, err
 }
 
 // withinLimits returns the longest prefix of chunks one request may ask
-// for (MaxChunks, MaxBytes); the rest are fetched upstream.
+// for (MaxChunks, MaxBytes); the rest are asked for in another.
 func withinLimits(chunks []format.Chunk) []format.Chunk {
 	var total int64
 	for i, c := range chunks {
