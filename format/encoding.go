@@ -16,17 +16,28 @@ import (
 // encoder options that must stay fixed for blob digests to be reproducible.
 const ZstdLevel = zstd.SpeedFastest
 
-// ZstdLevelV2 is the zstd level of format v2's frames. Its small chunks
-// need it: on text-like memory klauspost's fastest level compresses 64 KiB
-// chunks 1.03x (it gives up early), its default level 1.71x (1 MiB chunks:
-// 1.89x and 2.27x).
-const ZstdLevelV2 = zstd.SpeedDefault
+// ZstdLevelV2 is the zstd level of format v2's frames, written with
+// entropy coding of blocks that are all literals (klauspost's
+// WithAllLitEntropyCompression, off by default at this level). Without it
+// the fastest level finds few matches in a 64 KiB chunk of text-like
+// memory and stores its literals as they are (1.03x); with it, 1.54x at
+// 308 MB/s per core, where the default level gives 1.72x at 59 MB/s
+// (docs/benchmarks.md): v2 packs as fast as v1, whose 1 MiB chunks are at
+// the fastest level too.
+const ZstdLevelV2 = zstd.SpeedFastest
+
+// ZstdLevelV2Tables is the zstd level of format v2's compressed chunk
+// tables: small, written once per part, read by every node before a read
+// of the part.
+const ZstdLevelV2Tables = zstd.SpeedDefault
 
 // Codec encodes chunks for storage and decodes and verifies them. A Codec is
 // safe for concurrent use; make one and share it.
 type Codec struct {
 	enc *zstd.Encoder
-	dec *zstd.Decoder
+	// tables compresses chunk tables (CompressTable), if not enc.
+	tables *zstd.Encoder
+	dec    *zstd.Decoder
 }
 
 // NewCodec returns a Codec that runs at most concurrency zstd encoders and
@@ -37,19 +48,25 @@ func NewCodec(concurrency int) (*Codec, error) {
 }
 
 // NewCodecV2 is NewCodec for format v2's frames and tables: it compresses
-// at ZstdLevelV2.
+// frames at ZstdLevelV2, tables at ZstdLevelV2Tables.
 func NewCodecV2(concurrency int) (*Codec, error) {
-	return newCodec(concurrency, zstd.WithEncoderLevel(ZstdLevelV2))
+	c, err := newCodec(concurrency, zstd.WithEncoderLevel(ZstdLevelV2), zstd.WithAllLitEntropyCompression(true))
+	if err != nil {
+		return nil, err
+	}
+	if c.tables, err = newEncoder(1, zstd.WithEncoderLevel(ZstdLevelV2Tables)); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
 }
 
-// newCodec returns a Codec whose encoder has the fixed options and opts.
-func newCodec(concurrency int, opts ...zstd.EOption) (*Codec, error) {
-	if concurrency <= 0 {
-		concurrency = runtime.GOMAXPROCS(0)
-	}
-	// Fixed options: the same input gives the same blob with the same
-	// library version. No padding (it is random), no CRC (the sha256 of the
-	// uncompressed bytes is checked instead).
+// newEncoder returns a zstd encoder with the fixed options and opts, at
+// most concurrency encodes at once. Fixed options: the same input gives
+// the same bytes with the same library version. No padding (it is
+// random), no CRC (the sha256 of the uncompressed bytes is checked
+// instead).
+func newEncoder(concurrency int, opts ...zstd.EOption) (*zstd.Encoder, error) {
 	enc, err := zstd.NewWriter(nil, append([]zstd.EOption{
 		zstd.WithEncoderConcurrency(concurrency),
 		zstd.WithEncoderCRC(false),
@@ -57,6 +74,18 @@ func newCodec(concurrency int, opts ...zstd.EOption) (*Codec, error) {
 	}, opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("zstd encoder: %w", err)
+	}
+	return enc, nil
+}
+
+// newCodec returns a Codec whose encoder has the fixed options and opts.
+func newCodec(concurrency int, opts ...zstd.EOption) (*Codec, error) {
+	if concurrency <= 0 {
+		concurrency = runtime.GOMAXPROCS(0)
+	}
+	enc, err := newEncoder(concurrency, opts...)
+	if err != nil {
+		return nil, err
 	}
 	// WithDecoderMaxMemory bounds what one blob may decode to: a blob that
 	// claims to be a chunk cannot expand beyond the largest chunk (bomb).
@@ -78,6 +107,9 @@ func newCodec(concurrency int, opts ...zstd.EOption) (*Codec, error) {
 // Close releases the codec's encoders and decoders.
 func (c *Codec) Close() {
 	c.enc.Close()
+	if c.tables != nil {
+		c.tables.Close()
+	}
 	c.dec.Close()
 }
 
@@ -110,8 +142,8 @@ func (c *Codec) Compress(raw Chunk, data, dst []byte) (Chunk, []byte) {
 // it returns has no blob (the pack is the frame's blob, set when it is
 // sealed), and data whose bytes are spread so evenly that zstd cannot
 // save an eighth of them (spreadEvenly) is not given to zstd at all: on
-// random memory klauspost's SpeedDefault spends as long failing to
-// compress a 64 KiB chunk as the chunk's sha256.
+// random memory an attempt costs about as long as the chunk's sha256
+// (measured at klauspost's SpeedDefault, v2's level before ZstdLevelV2).
 func (c *Codec) CompressFrame(raw Chunk, data, dst []byte) (Chunk, []byte) {
 	raw.Blob, raw.BlobSize = "", int64(len(data))
 	if spreadEvenly(data) {

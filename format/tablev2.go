@@ -187,11 +187,15 @@ func (c Chunk) validateFrame() error {
 }
 
 // CompressTable returns the stored bytes of a v2 table's JSON data: one
-// zstd frame, written as the codec writes frames (the same table gives the
-// same bytes with the same library version). Tables hold a hex digest per
+// zstd frame, at ZstdLevelV2Tables for a NewCodecV2 codec (the same table
+// gives the same bytes with the same library version). Tables hold a hex digest per
 // chunk and compress to about a quarter (docs/benchmarks.md).
 func (c *Codec) CompressTable(data []byte) []byte {
-	return c.enc.EncodeAll(data, make([]byte, 0, len(data)/2))
+	enc := c.enc
+	if c.tables != nil {
+		enc = c.tables
+	}
+	return enc.EncodeAll(data, make([]byte, 0, len(data)/2))
 }
 
 // DecodeTableBlob returns the JSON of a chunk table stored as mediaType:
