@@ -470,3 +470,58 @@ func TestEvictedPartialLeftoverRemoved(t *testing.T) {
 		t.Errorf("leftover of an evicted partial dir kept: %v", err)
 	}
 }
+
+// TestChunksHeldBeforeAssemblyPlacedAtCommit: a chunk the store got
+// before the snapshot's assembly existed (a chunk file: a mount's first
+// reads come before its tables are loaded) and one held by another
+// snapshot's image dir are written into the assembly at its commit from
+// the store, verified, and the commit asks the source for nothing (before,
+// it fetched the early one again); the materialized dir has the
+// snapshot's bytes.
+func TestChunksHeldBeforeAssemblyPlacedAtCommit(t *testing.T) {
+	root := t.TempDir()
+	s, err := Open(root, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	shared := randomBytes(21, 16384)
+	other := newTestSnapshot("other", map[string][][]byte{"pages.img": {shared}})
+	oa, err := s.Assemble(other.snap, other.chunks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other.put(t, s)
+	if err := s.WriteImage(context.Background(), other.snap, other.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+	oa.Release()
+
+	early, late := randomBytes(22, 20000), randomBytes(23, 12288)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {early, nil, shared, late}})
+	if err := s.PutVerified(digest.FromBytes(early), early); err != nil {
+		t.Fatal(err)
+	}
+	if n := chunkFileCount(t, root); n != 1 {
+		t.Fatalf("%d chunk files before the assembly, want the early chunk's", n)
+	}
+	asm, err := s.Assemble(ts.snap, ts.chunks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer asm.Release()
+	if err := s.PutVerified(digest.FromBytes(late), late); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+	dir, ok := s.Image(ts.snap.Descriptor.Digest)
+	if !ok {
+		t.Fatal("not materialized")
+	}
+	got, err := os.ReadFile(filepath.Join(dir, "pages.img"))
+	if err != nil || !bytes.Equal(got, ts.files["pages.img"]) {
+		t.Fatalf("pages.img in the materialized dir: %v, %d bytes", err, len(got))
+	}
+}
