@@ -575,7 +575,7 @@ func report(cfg config, rs []result) {
 		for _, k := range kinds {
 			parts = append(parts, fmt.Sprintf("%s %.0f", k, r.peerErrors[k]))
 		}
-		fmt.Printf("- %s, %s: peer requests that failed (their chunks went upstream): %s\n", r.fleet, r.mode, strings.Join(parts, ", "))
+		fmt.Printf("- %s, %s: peer requests that failed: %s\n", r.fleet, r.mode, strings.Join(parts, ", "))
 	}
 	byFleet := map[fleet]map[string]result{}
 	for _, r := range rs {

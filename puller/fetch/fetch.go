@@ -35,7 +35,6 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
-	"slices"
 	"sync"
 	"time"
 
@@ -104,16 +103,17 @@ type Peers interface {
 	// bytes, decoded, and calls got with each chunk's in order as it
 	// arrives. got verifies them and returns an error if they are wrong:
 	// Fetch then stops, and avoids that peer for a while. Fetch returns
-	// how many chunks, from the first, got took, and why not all: nil if
-	// it asked for no more than those (the limits of one request; at
-	// least one chunk), ErrNoPeer if there was no peer to ask (the node
-	// owns the unit itself, or no peer is live: the chunks are its to
-	// fetch upstream), else the peer's failure. fault says a
+	// how many chunks, from the first, got took (served), how many it
+	// asked for (asked: the first ones, as many as one request may ask
+	// for; the others were not asked), and why it took fewer than it
+	// asked for: ErrNoPeer if there was no peer to ask (the node owns the
+	// unit itself, or no peer is live: the chunks are its to fetch
+	// upstream; asked is then 0), else the peer's failure. fault says a
 	// sandbox's page fault waits on the first chunk (the owner fetches it
 	// first); urgent is closed once any read waits on the chunks (it may
 	// be from the start): from then on the wait for the peer is the short
 	// one.
-	Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(i int, data []byte) error) (int, error)
+	Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(i int, data []byte) error) (served, asked int, err error)
 }
 
 // ErrNoPeer is Peers.Fetch's error when there was no peer to ask.
@@ -233,8 +233,11 @@ type Scheduler struct {
 
 // call is one chunk being fetched and stored; waiters block on done.
 type call struct {
-	chunk   format.Chunk
-	prio    Priority
+	chunk format.Chunk
+	prio  Priority
+	// want is the highest priority the call was asked for: a started
+	// call is not promoted (prio), and is queued at want if run again.
+	want    Priority
 	started bool
 	// batch, on the call a worker took, are the calls for the frames that
 	// follow its own in the same pack, taken with it to be fetched in one
@@ -501,6 +504,9 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 				cl.following.demand()
 			}
 		}
+		if s.ahead(prio, cl.want) {
+			cl.want = prio // for a started call, if it is queued again
+		}
 		if s.ahead(prio, cl.prio) && !cl.started {
 			// Promote a queued call; its entry in the lower queue is
 			// skipped when met.
@@ -511,7 +517,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		}
 		return cl, nil
 	}
-	cl := &call{chunk: c, prio: prio, demand: prio.isDemand(), done: make(chan struct{}), ready: make(chan struct{})}
+	cl := &call{chunk: c, prio: prio, want: prio, demand: prio.isDemand(), done: make(chan struct{}), ready: make(chan struct{})}
 	s.calls[k] = cl
 	if f := frameOf(c); c.Packed() && s.byFrame[f] == nil {
 		s.byFrame[f] = cl
@@ -945,7 +951,7 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		return
 	}
 	// Peers first (Options.Peers), then the endpoints for the rest.
-	done, err := s.fromPeers(todo, tflights, func(i int, data []byte) {
+	done, asked, err := s.fromPeers(todo, tflights, func(i int, data []byte) {
 		s.publish(todo[i], data)
 		if f := tflights[i]; f != nil {
 			f.verify(data)
@@ -953,15 +959,36 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		s.store(todo[i].chunk, data, ends[i])
 	})
 	// [lo, hi) are fetched upstream now; the others from done go back to
-	// be asked of the peers.
+	// be asked of the peers: those past the ones asked for (a request's
+	// limits) as they are, those a failed peer did not serve counted in
+	// their peerTries (upstreamShare).
 	lo, hi := done, len(todo)
 	switch {
 	case done == len(todo) || errors.Is(err, ErrNoPeer):
-	case err == nil:
-		hi = done // not asked yet: the peers' limits for one request
+	case err == nil && done == asked && done > 0:
+		hi = done
 	default:
-		a, b := s.upstreamShare(todo[done:])
+		if asked <= done {
+			asked = len(todo) // a Peers that did not say: it failed them all
+		}
+		a, b := s.upstreamShare(todo[done:asked])
 		lo, hi = done+a, done+b
+	}
+	// Those go back first, before the fetch upstream: another mount
+	// following one of their node-wide fetches then fetches for itself
+	// at once, and a read coming to wait on one finds it queued.
+	var again []*call
+	for i := done; i < len(todo); i++ {
+		if i >= lo && i < hi {
+			continue
+		}
+		if f := tflights[i]; f != nil {
+			s.opts.InFlight.end(keyOf(todo[i].chunk), f, nil, errAskPeersAgain)
+		}
+		again = append(again, todo[i])
+	}
+	for _, cl := range s.requeueFirst(again) {
+		s.finish(cl, nil, ErrClosed)
 	}
 	got := lo + s.fetchRange(todo[lo:hi], tflights[lo:hi], ends[lo:hi])
 	// The rest go back in their queues, each to be fetched on its own by
@@ -976,21 +1003,6 @@ func (s *Scheduler) runBatch(calls []*call, flights []*flight) {
 		if !s.requeueSingle(cl) {
 			s.finish(cl, nil, ErrClosed)
 		}
-	}
-	// The others go back, first in their queues, to be asked of the
-	// peers.
-	var again []*call
-	for i := done; i < len(todo); i++ {
-		if i >= lo && i < hi {
-			continue
-		}
-		if f := tflights[i]; f != nil {
-			s.opts.InFlight.end(keyOf(todo[i].chunk), f, nil, errAskPeersAgain)
-		}
-		again = append(again, todo[i])
-	}
-	for _, cl := range s.requeueFirst(again) {
-		s.finish(cl, nil, ErrClosed)
 	}
 }
 
@@ -1007,7 +1019,7 @@ func (s *Scheduler) requeueFirst(calls []*call) []*call {
 			left = append(left, cl)
 			continue
 		}
-		cl.started = false
+		s.unstart(cl)
 		head[cl.prio] = append(head[cl.prio], cl)
 	}
 	for p, h := range head {
@@ -1015,15 +1027,25 @@ func (s *Scheduler) requeueFirst(calls []*call) []*call {
 			continue
 		}
 		if Priority(p) == Fault {
-			// Faults are taken from the end (pop): the first of h last.
-			slices.Reverse(h)
+			// Faults are taken newest first (pop), from the end.
 			s.queues[p] = append(s.queues[p], h...)
+			s.faultWorker(Fault)
 		} else {
 			s.queues[p] = append(h, s.queues[p]...)
 		}
 		s.cond.Broadcast()
 	}
 	return left
+}
+
+// unstart marks started call cl as not started, to be queued again, at
+// the highest priority asked for it while it ran (a read coming to wait
+// on a prefetch being fetched). s.mu is held.
+func (s *Scheduler) unstart(cl *call) {
+	cl.started = false
+	if s.ahead(cl.want, cl.prio) {
+		cl.prio = cl.want
+	}
 }
 
 // maxPeerTries bounds how often a call goes back to be asked of the
@@ -1063,6 +1085,19 @@ func (s *Scheduler) upstreamShare(calls []*call) (lo, hi int) {
 	return lo, hi
 }
 
+// askPeersAgain reports whether call cl, which a peer failed to serve,
+// goes back to be asked of the peers again (counted in its peerTries)
+// rather than upstream: no read waits on it and it has tries left.
+func (s *Scheduler) askPeersAgain(cl *call) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cl.demand || cl.peerTries >= maxPeerTries {
+		return false
+	}
+	cl.peerTries++
+	return true
+}
+
 // errAskPeersAgain ends the node-wide fetch of a chunk that goes back to
 // be asked of the peers again (upstreamShare).
 var errAskPeersAgain = errors.New("the peer failed; the chunk is asked of the peers again")
@@ -1074,10 +1109,11 @@ var errAskPeersAgain = errors.New("the peer failed; the chunk is asked of the pe
 // are asked, they say so (flight.viaPeer), and a read that comes to wait
 // on any of the calls, or on a fetch following one, makes the wait for
 // the peer the short one. It returns how many chunks, from the first, it
-// got, and why not all (Peers.Fetch; ErrNoPeer without peers).
-func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int, data []byte)) (int, error) {
+// got, how many it asked for, and why not all (Peers.Fetch; ErrNoPeer
+// without peers).
+func (s *Scheduler) fromPeers(calls []*call, flights []*flight, took func(i int, data []byte)) (served, asked int, err error) {
 	if s.opts.Peers == nil || len(calls) == 0 {
-		return 0, ErrNoPeer
+		return 0, 0, ErrNoPeer
 	}
 	chunks := make([]format.Chunk, len(calls))
 	u := newUrgency()
@@ -1240,9 +1276,10 @@ func (s *Scheduler) requeue(cl *call) bool {
 	if s.closed || cl.finished {
 		return false
 	}
-	cl.started = false
+	s.unstart(cl)
 	s.queues[cl.prio] = append(s.queues[cl.prio], cl)
 	s.cond.Signal()
+	s.faultWorker(cl.prio)
 	return true
 }
 
@@ -1259,7 +1296,19 @@ func (s *Scheduler) fetchAndStore(cl *call, f *flight, done func(data []byte, er
 		return
 	}
 	var data []byte
-	if n, _ := s.fromPeers([]*call{cl}, []*flight{f}, func(_ int, d []byte) { data = d }); n == 0 {
+	n, _, perr := s.fromPeers([]*call{cl}, []*flight{f}, func(_ int, d []byte) { data = d })
+	if n == 0 && perr != nil && !errors.Is(perr, ErrNoPeer) && s.askPeersAgain(cl) {
+		// A peer failed a chunk no read waits on: asked of the peers
+		// again (upstreamShare's rule), not fetched upstream.
+		if f != nil {
+			s.opts.InFlight.end(keyOf(c), f, nil, errAskPeersAgain)
+		}
+		if !s.requeue(cl) {
+			s.finish(cl, nil, ErrClosed) // its node-wide fetch has ended
+		}
+		return
+	}
+	if n == 0 {
 		var err error
 		if data, err = s.fetch(c); err != nil {
 			done(nil, err)

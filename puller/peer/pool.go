@@ -521,7 +521,7 @@ type repoPeers struct {
 }
 
 // Fetch implements fetch.Peers.
-func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
+func (r repoPeers) Fetch(ctx context.Context, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (served, asked int, err error) {
 	return r.p.fetch(ctx, r.repo, chunks, fault, urgent, got)
 }
 
@@ -550,22 +550,23 @@ type statusError struct {
 
 func (e statusError) Error() string { return fmt.Sprintf("peer answered %d: %s", e.code, e.msg) }
 
-func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (int, error) {
+func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fault bool, urgent <-chan struct{}, got func(int, []byte) error) (served, asked int, err error) {
 	chunks = withinLimits(chunks)
 	if len(chunks) == 0 {
-		return 0, fmt.Errorf("%w: the first chunk alone is over a request's limits", fetch.ErrNoPeer)
+		return 0, 0, fmt.Errorf("%w: the first chunk alone is over a request's limits", fetch.ErrNoPeer)
 	}
 	owner, ok := p.owner(chunks[0].Blob)
 	if !ok || owner.self {
-		return 0, fetch.ErrNoPeer
+		return 0, 0, fetch.ErrNoPeer
 	}
+	asked = len(chunks)
 	n, err := p.ask(ctx, owner.addr, repo, chunks, fault, urgent, got)
 	if err == nil {
 		p.succeeded(owner.addr)
-		return n, nil
+		return n, asked, nil
 	}
 	if ctx.Err() != nil {
-		return n, err
+		return n, asked, err
 	}
 	kind := errorKind(err)
 	p.opts.Metrics.failed(kind)
@@ -575,9 +576,9 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fa
 		// The member is this very node, under an address it did not
 		// know for its own: it owns what that member owns.
 		p.markSelf(owner.addr)
-		return n, fmt.Errorf("%w: %s is this node", fetch.ErrNoPeer, owner.addr)
+		return n, 0, fmt.Errorf("%w: %s is this node", fetch.ErrNoPeer, owner.addr)
 	case kind == "busy" || kind == "short" || kind == "local":
-		// Alive, but without the chunk now: upstream, no avoidance.
+		// Alive, but without the chunk now: no avoidance.
 		p.opts.Logger.Debug("peer could not serve", "peer", owner.addr, "blob", chunks[0].Blob, "served", n, "err", err)
 	case errors.Is(err, errSlow) && !fault:
 		// Late with a chunk a read (not a fault) waits on: it may be
@@ -588,11 +589,11 @@ func (p *Pool) fetch(ctx context.Context, repo string, chunks []format.Chunk, fa
 	default:
 		p.avoid(owner.addr, err)
 	}
-	return n, err
+	return n, asked, err
 }
 
 // withinLimits returns the longest prefix of chunks one request may ask
-// for (MaxChunks, MaxBytes); the rest are asked for in another.
+// for (MaxChunks, MaxBytes); the rest are for another request.
 func withinLimits(chunks []format.Chunk) []format.Chunk {
 	var total int64
 	for i, c := range chunks {

@@ -221,7 +221,7 @@ func TestStalledPeerGivesUp(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, false)}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := oneByte
 	for i := 1; i <= timeoutsToAvoid; i++ {
-		n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, now, func(int, []byte) error {
+		n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, now, func(int, []byte) error {
 			t.Error("a chunk was taken from a peer that sent none")
 			return nil
 		})
@@ -275,12 +275,12 @@ func TestTLSAndShortAnswers(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{RootCAs: roots}})
 	var got [][]byte
 	take := func(i int, data []byte) error { got = append(got, data); return nil }
-	if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, nil, take); n != 1 || string(got[0]) != string(a) {
+	if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, nil, take); n != 1 || string(got[0]) != string(a) {
 		t.Fatalf("took %d chunks: %q", n, got)
 	}
 	// c2 is not held: the answer stops after c1, and c2 goes upstream.
 	got = nil
-	if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, false, nil, take); n != 1 {
+	if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c1, c2}, false, nil, take); n != 1 {
 		t.Fatalf("took %d chunks, want 1 (the peer lacks the second)", n)
 	}
 	if live, _ := p.Members(); len(live) != 1 {
@@ -288,7 +288,7 @@ func TestTLSAndShortAnswers(t *testing.T) {
 	}
 	// Without the CA, the peer's certificate is refused.
 	q := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "https://")}, TLS: &tls.Config{}})
-	if n, _ := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, nil, take); n != 0 {
+	if n, _, _ := q.For("r/x").Fetch(context.Background(), []format.Chunk{c1}, false, nil, take); n != 0 {
 		t.Fatal("took a chunk from a peer whose certificate it cannot check")
 	}
 }
@@ -302,7 +302,7 @@ func TestSlowOwnerKeptForFaults(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{stallingPeer(t, true)}, UrgentWait: 100 * time.Millisecond, Metrics: NewMetrics(reg)})
 	c := oneByte
 	for i := 1; i <= slowToAvoid; i++ {
-		if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, now, func(int, []byte) error { return nil }); n != 0 {
+		if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
 		}
 		if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("timeout")); got != float64(i) {
@@ -323,7 +323,7 @@ func TestReadMakesWaitShort(t *testing.T) {
 	urgent := make(chan struct{})
 	done := make(chan int)
 	go func() {
-		n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, false, urgent, func(int, []byte) error { return nil })
+		n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{c}, false, urgent, func(int, []byte) error { return nil })
 		done <- n
 	}()
 	select {
@@ -393,7 +393,7 @@ func TestServerRefusals(t *testing.T) {
 	defer srv2.Close()
 	self := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv2.URL, "http://")}})
 	own, _ = NewServer(held{}, ServerOptions{Token: token, NodeID: self.ID()})
-	if n, err := self.For("r/x").Fetch(context.Background(), []format.Chunk{c}, false, nil, func(int, []byte) error { return nil }); n != 0 || !errors.Is(err, fetch.ErrNoPeer) {
+	if n, _, err := self.For("r/x").Fetch(context.Background(), []format.Chunk{c}, false, nil, func(int, []byte) error { return nil }); n != 0 || !errors.Is(err, fetch.ErrNoPeer) {
 		t.Fatalf("asking itself: took %d chunks (%v), want none and fetch.ErrNoPeer: the chunks are its own to fetch upstream", n, err)
 	}
 	if _, me := self.Members(); me != strings.TrimPrefix(srv2.URL, "http://") {
@@ -429,7 +429,7 @@ func TestRefusedRepositoryIsBusy(t *testing.T) {
 	defer srv.Close()
 	reg := prometheus.NewRegistry()
 	p := newPool(t, PoolOptions{Peers: []string{strings.TrimPrefix(srv.URL, "http://")}, Metrics: NewMetrics(reg)})
-	if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil }); n != 0 {
+	if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, false, nil, func(int, []byte) error { return nil }); n != 0 {
 		t.Fatalf("took %d chunks", n)
 	}
 	if got := testutil.ToFloat64(p.opts.Metrics.errors.WithLabelValues("busy")); got != 1 {
@@ -451,7 +451,7 @@ func TestLocalConnectionWaitIsNotThePeers(t *testing.T) {
 		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
 	holdEveryConnection(t, p, inFlight)
 	for i := 1; i <= 2*timeoutsToAvoid; i++ {
-		if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
+		if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
 		}
 		if live, _ := p.Members(); len(live) == 0 {
@@ -483,7 +483,7 @@ func TestPeerHoldingEveryConnectionIsBlamed(t *testing.T) {
 		BackgroundWait: time.Hour, AnswerWait: time.Hour, Metrics: NewMetrics(reg)})
 	holdEveryConnection(t, p, inFlight)
 	for i := 1; i <= timeoutsToAvoid; i++ {
-		if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
+		if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
 		}
 	}
@@ -515,7 +515,7 @@ func TestUnresolvablePeerIsBlamed(t *testing.T) {
 	p := newPool(t, PoolOptions{Peers: []string{"peer.invalid:7070"}, UrgentWait: 100 * time.Millisecond, Resolver: resolver, Metrics: NewMetrics(reg)})
 	stall.Store(true)
 	for i := 1; i <= timeoutsToAvoid; i++ {
-		if n, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
+		if n, _, _ := p.For("r/x").Fetch(context.Background(), []format.Chunk{oneByte}, true, now, func(int, []byte) error { return nil }); n != 0 {
 			t.Fatalf("took %d chunks", n)
 		}
 	}
