@@ -525,3 +525,58 @@ func TestChunksHeldBeforeAssemblyPlacedAtCommit(t *testing.T) {
 		t.Fatalf("pages.img in the materialized dir: %v, %d bytes", err, len(got))
 	}
 }
+
+// TestPutVerifiedRunPlacesAndFallsBack hands the store one run of
+// chunks: consecutive chunks of the assembly's pages.img (written with one
+// pwritev), a chunk it holds twice, a chunk no assembly wants (a chunk
+// file) and one whose size the table contradicts (refused, not placed).
+// Each gets PutVerified's outcome, and the commit needs no source.
+func TestPutVerifiedRunPlacesAndFallsBack(t *testing.T) {
+	root := t.TempDir()
+	s, err := Open(root, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	c1, c2, c3 := randomBytes(31, 16384), randomBytes(32, 8192), randomBytes(33, 12288)
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {c1, c2, nil, c3, c1}})
+	asm, err := s.Assemble(ts.snap, ts.chunks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer asm.Release()
+	loose := randomBytes(34, 4096)
+	d1, d2, d3 := digest.FromBytes(c1), digest.FromBytes(c2), digest.FromBytes(c3)
+	errs := s.PutVerifiedRun([]digest.Digest{d1, d2, d3, digest.FromBytes(loose)}, [][]byte{c1, c2, c3, loose})
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("chunk %d of the run: %v", i, err)
+		}
+	}
+	if n := chunkFileCount(t, root); n != 1 {
+		t.Errorf("%d chunk files, want the one no assembly wants", n)
+	}
+	if got, err := s.Get(digest.FromBytes(loose), nil, false); err != nil || !bytes.Equal(got, loose) {
+		t.Fatalf("the loose chunk: %v", err)
+	}
+	if err := s.WriteImage(context.Background(), ts.snap, ts.chunks, noSource{t}); err != nil {
+		t.Fatal(err)
+	}
+	dir, _ := s.Image(ts.snap.Descriptor.Digest)
+	got, err := os.ReadFile(filepath.Join(dir, "pages.img"))
+	if err != nil || !bytes.Equal(got, ts.files["pages.img"]) {
+		t.Fatalf("pages.img in the materialized dir: %v, %d bytes", err, len(got))
+	}
+
+	// A chunk of the wrong size for the table that wants it.
+	other := newTestSnapshot("b", map[string][][]byte{"pages.img": {randomBytes(35, 8192)}})
+	oa, err := s.Assemble(other.snap, other.chunks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer oa.Release()
+	d := other.chunks[0][0].Digest
+	if errs := s.PutVerifiedRun([]digest.Digest{d}, [][]byte{make([]byte, 100)}); errs[0] == nil {
+		t.Fatal("a chunk of 100 bytes placed where the table says 8192")
+	}
+}

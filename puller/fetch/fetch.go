@@ -190,6 +190,7 @@ type chunkStore interface {
 	Has(d digest.Digest) bool
 	Get(d digest.Digest, buf []byte, verify bool) ([]byte, error)
 	PutVerified(d digest.Digest, data []byte) error
+	PutVerifiedRun(ds []digest.Digest, datas [][]byte) []error
 }
 
 // Scheduler fetches chunks into a node cache.
@@ -315,7 +316,7 @@ func newWithStore(endpoints []Endpoint, c chunkStore, codec *format.Codec, opts 
 		opts.WriteBuffer = 64 << 20
 	}
 	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}, byFrame: map[frame]*call{}}
-	s.w = newWriter(c.PutVerified, opts.Writers, opts.WriteBuffer, opts.Metrics)
+	s.w = newWriter(c.PutVerifiedRun, opts.Writers, opts.WriteBuffer, opts.Metrics)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.cond = sync.NewCond(&s.mu)
 	for range opts.Workers {

@@ -41,6 +41,14 @@ func (h *heldStore) PutVerified(d digest.Digest, data []byte) error {
 	return h.Store.PutVerified(d, data)
 }
 
+func (h *heldStore) PutVerifiedRun(ds []digest.Digest, datas [][]byte) []error {
+	errs := make([]error, len(ds))
+	for i, d := range ds {
+		errs[i] = h.PutVerified(d, datas[i])
+	}
+	return errs
+}
+
 func (h *heldStore) open() { h.once.Do(func() { close(h.release) }) }
 
 // fetchCounter serves blobs and counts the fetches of each.
@@ -290,11 +298,11 @@ func TestCloseWritesQueuedChunks(t *testing.T) {
 	}
 	wait(t, held.entered, "the first cache write")
 	// A read goes on as soon as its chunk is verified, before its write
-	// is queued: wait until the second is queued behind the held one.
+	// is queued: wait until the second is in the writer too (queued
+	// behind the held one, or taken with it in one run).
 	queued := func() bool {
-		s.w.mu.Lock()
-		defer s.w.mu.Unlock()
-		return len(s.w.queue) >= 1
+		b, _ := s.w.state()
+		return b == cs[0].Size+cs[1].Size
 	}
 	for deadline := time.Now().Add(hangLimit); !queued(); time.Sleep(time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -417,12 +425,12 @@ func TestLargeChunkIsNotStarved(t *testing.T) {
 	release := make(chan struct{})
 	var mu sync.Mutex
 	var order []digest.Digest
-	put := func(d digest.Digest, _ []byte) error {
+	put := func(ds []digest.Digest, _ [][]byte) []error {
 		<-release
 		mu.Lock()
-		order = append(order, d)
+		order = append(order, ds...)
 		mu.Unlock()
-		return nil
+		return make([]error, len(ds))
 	}
 	w := newWriter(put, 1, 4<<10, nil)
 	defer w.close()

@@ -13,7 +13,8 @@ import (
 // bounded, and a submit waits for room: a disk slower than the network
 // slows fetching down instead of growing the queue.
 type writer struct {
-	put     func(digest.Digest, []byte) error
+	// put stores a run of chunks, returning each one's outcome.
+	put     func([]digest.Digest, [][]byte) []error
 	limit   int64
 	metrics *Metrics
 
@@ -41,9 +42,18 @@ type write struct {
 	done func(error)
 }
 
+// maxRun and maxRunBytes bound the chunks a writer goroutine takes from
+// the queue at once, to store with one put: the chunks of a pack range,
+// written into a file with one pwritev where they follow each other
+// (cache.Store.PutVerifiedRun).
+const (
+	maxRun      = 64
+	maxRunBytes = 4 << 20
+)
+
 // newWriter starts n goroutines storing chunks with put, holding at most
 // limit bytes (and always one chunk, however large).
-func newWriter(put func(digest.Digest, []byte) error, n int, limit int64, m *Metrics) *writer {
+func newWriter(put func([]digest.Digest, [][]byte) []error, n int, limit int64, m *Metrics) *writer {
 	w := &writer{put: put, limit: limit, metrics: m}
 	w.cond = sync.NewCond(&w.mu)
 	for range n {
@@ -94,20 +104,29 @@ func (w *writer) run() {
 			w.mu.Unlock()
 			return
 		}
-		wr := w.queue[0]
-		w.queue[0] = nil
-		w.queue = w.queue[1:]
+		var run []*write
+		var ds []digest.Digest
+		var datas [][]byte
+		var n int64
+		for len(w.queue) > 0 && len(run) < maxRun && (len(run) == 0 || n+int64(len(w.queue[0].data)) <= maxRunBytes) {
+			wr := w.queue[0]
+			w.queue[0] = nil
+			w.queue = w.queue[1:]
+			run, ds, datas = append(run, wr), append(ds, wr.d), append(datas, wr.data)
+			n += int64(len(wr.data))
+		}
 		w.mu.Unlock()
 
-		err := w.put(wr.d, wr.data)
+		errs := w.put(ds, datas)
 
-		n := int64(len(wr.data))
 		w.mu.Lock()
 		w.bytes -= n
 		w.cond.Broadcast()
 		w.mu.Unlock()
 		w.metrics.queued(-n)
-		wr.done(err)
+		for i, wr := range run {
+			wr.done(errs[i])
+		}
 	}
 }
 
