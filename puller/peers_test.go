@@ -16,7 +16,6 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
-	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/peer"
 	"github.com/opencontainers/go-digest"
@@ -435,15 +434,7 @@ func TestSlowOwnerCostsTheRegistryOnlyWhatReadsWaitOn(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	c, err := cache.Open(t.TempDir(), 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	codec, err := format.NewCodec(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer codec.Close()
+	c, codec := coldCache(t)
 	// One worker: it is busy with the gate's chunk while the pack's are
 	// queued, then takes them all in one batch.
 	sched := fetch.New(s.Endpoints, c, codec, fetch.Options{Workers: 1, Peers: pool.For(s.Repository), Metrics: fetch.NewMetrics(reg)})

@@ -69,15 +69,7 @@ func TestV2RandomSmallReadsMoveLittle(t *testing.T) {
 	src, s := pushV2(t, r, "app", synth.Random, 64<<20, 2)
 	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
 	chunks := snapshotChunksOf(t, s, format.PagesFile)
-	c, err := cache.Open(t.TempDir(), 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	codec, err := format.NewCodec(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer codec.Close()
+	c, codec := coldCache(t)
 	sched := fetch.New(s.Endpoints, c, codec, fetch.Options{})
 	defer sched.Close()
 	file := &imagefs.File{Path: format.PagesFile, Size: int64(len(want)), Chunks: chunks}
@@ -99,6 +91,22 @@ func TestV2RandomSmallReadsMoveLittle(t *testing.T) {
 		t.Fatalf("%d random 4 KiB reads moved %d bytes, %d per read: over 256 KiB each", reads, moved, moved/reads)
 	}
 	t.Logf("%d bytes per random 4 KiB read", moved/reads)
+}
+
+// coldCache returns an empty node cache and a codec, closed at the
+// test's end: for tests that drive a fetch scheduler themselves.
+func coldCache(t *testing.T) (*cache.Store, *format.Codec) {
+	t.Helper()
+	c, err := cache.Open(t.TempDir(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	codec, err := format.NewCodec(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(codec.Close)
+	return c, codec
 }
 
 // snapshotChunksOf lists the chunks of file path of s's snapshot, in order.
