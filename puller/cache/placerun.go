@@ -127,6 +127,7 @@ func (s *Store) placeRun(ds []digest.Digest, datas [][]byte, errs []error) []boo
 		a.img.release()
 		switch {
 		case a.done:
+			ok[t.i] = true // as place: nothing left to write there
 		case werrs[j] != nil:
 			// Left to WriteImage, or to the next fetch of the chunk.
 			s.wanted[ds[t.i]] = append(s.wanted[ds[t.i]], t.sl)
@@ -164,7 +165,10 @@ func pwritevAll(f *os.File, iovs [][]byte, off int64) error {
 	}
 	iovs = append([][]byte(nil), iovs...)
 	var werr error
-	err = rc.Write(func(fd uintptr) bool {
+	// Control, not Write: a regular file needs no poller, and Write would
+	// take the fd's write lock, making writers of one file take turns
+	// (WriteAt does not).
+	err = rc.Control(func(fd uintptr) {
 		for len(iovs) > 0 {
 			n, err := unix.Pwritev(int(fd), iovs, off)
 			if err == unix.EINTR {
@@ -172,11 +176,11 @@ func pwritevAll(f *os.File, iovs [][]byte, off int64) error {
 			}
 			if err != nil {
 				werr = err
-				return true
+				return
 			}
 			if n == 0 {
 				werr = io.ErrShortWrite
-				return true
+				return
 			}
 			off += int64(n)
 			for n > 0 {
@@ -189,7 +193,6 @@ func pwritevAll(f *os.File, iovs [][]byte, off int64) error {
 				}
 			}
 		}
-		return true
 	})
 	if err != nil {
 		return err

@@ -1,6 +1,7 @@
 package fetch
 
 import (
+	"fmt"
 	"sync"
 
 	"github.com/opencontainers/go-digest"
@@ -118,6 +119,13 @@ func (w *writer) run() {
 		w.mu.Unlock()
 
 		errs := w.put(ds, datas)
+		if len(errs) != len(run) {
+			err := fmt.Errorf("the node store answered %d outcomes for %d chunks", len(errs), len(run))
+			errs = make([]error, len(run))
+			for i := range errs {
+				errs[i] = err
+			}
+		}
 
 		w.mu.Lock()
 		w.bytes -= n
