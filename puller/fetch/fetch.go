@@ -683,6 +683,14 @@ const MaxCoalesce = format.DefaultPackSize
 // It fetches nothing that was not queued.
 const ReadAhead = MaxCoalesce
 
+// FaultReadAhead is ReadAhead for a page fault: the frames queued behind
+// the faulted one in its pack, up to 256 KiB in all (the most a random
+// 4 KiB read may move, issue 12). An application faults its pages one
+// after the other, mostly near each other: v1's 1 MiB chunks brought the
+// next faults' pages along, v2's 64 KiB ones did not, and through FUSE
+// the app ran again 1.97x as late at 2 GiB (docs/benchmarks.md).
+const FaultReadAhead = 256 << 10
+
 // frame is where a format v2 chunk lies: its pack and its offset there.
 type frame struct {
 	pack digest.Digest
@@ -747,12 +755,17 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 		q = q[1:]
 	}
 	s.queues[p] = q
-	if p != Read {
+	limit := int64(ReadAhead)
+	switch p {
+	case Read:
+	case Fault:
+		limit = FaultReadAhead
+	default:
 		return
 	}
-	for total < ReadAhead {
+	for {
 		next := s.byFrame[frame{cl.chunk.Blob, end}]
-		if next == nil || next.started || next.prio > Read || !take(next) {
+		if next == nil || next.started || next.prio > Read || total+next.chunk.BlobSize > limit || !take(next) {
 			return
 		}
 	}
