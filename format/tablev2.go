@@ -188,8 +188,8 @@ func (c Chunk) validateFrame() error {
 
 // CompressTable returns the stored bytes of a v2 table's JSON data: one
 // zstd frame, at ZstdLevelV2Tables for a NewCodecV2 codec (the same table
-// gives the same bytes with the same library version). Tables hold a hex digest per
-// chunk and compress to about a quarter (docs/benchmarks.md).
+// gives the same bytes with the same library version). Tables hold a hex
+// digest per chunk and compress to about a quarter (docs/benchmarks.md).
 func (c *Codec) CompressTable(data []byte) []byte {
 	enc := c.enc
 	if c.tables != nil {

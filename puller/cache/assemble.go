@@ -406,35 +406,42 @@ func (s *Store) place(d digest.Digest, data []byte) (bool, error) {
 	}
 
 	s.mu.Lock()
-	var failed []slot
+	placed := false
 	var err error
 	for i, sl := range slots {
-		a := sl.a
-		a.img.release()
-		switch {
-		case a.done:
-		case errs[i] != nil:
-			// Left to WriteImage, or to the next fetch of the chunk.
-			failed = append(failed, sl)
+		if s.endWriteLocked(sl, d, errs[i]) {
+			placed = true
+		} else {
 			err = errs[i]
-		default:
-			c := a.chunks[sl.file][sl.chunk]
-			a.filled[sl.file][sl.chunk] = true
-			a.bytes += c.Size
-			s.total += c.Size
-			s.addPlaceLocked(a.img, d, sl.file, c.Offset, c.Size, true)
 		}
-	}
-	if len(failed) > 0 {
-		s.wanted[d] = append(s.wanted[d], failed...)
 	}
 	delete(s.placing, d)
 	close(ch)
 	s.mu.Unlock()
-	if len(failed) == len(slots) {
-		return false, err
+	return placed, err
+}
+
+// endWriteLocked ends the write of chunk d into slot sl, taken from
+// s.wanted (err: how it went): the image's use ends, and the slot is
+// filled, or wanted again if the write failed (left to WriteImage, or to
+// the next fetch of the chunk). It reports whether the slot needs the
+// chunk no more: written, or its assembly is over. s.mu is held.
+func (s *Store) endWriteLocked(sl slot, d digest.Digest, err error) bool {
+	a := sl.a
+	a.img.release()
+	switch {
+	case a.done:
+		return true
+	case err != nil:
+		s.wanted[d] = append(s.wanted[d], sl)
+		return false
 	}
-	return true, nil
+	c := a.chunks[sl.file][sl.chunk]
+	a.filled[sl.file][sl.chunk] = true
+	a.bytes += c.Size
+	s.total += c.Size
+	s.addPlaceLocked(a.img, d, sl.file, c.Offset, c.Size, true)
+	return true
 }
 
 // placeHeld writes into the assembly's files, in place, the chunks they

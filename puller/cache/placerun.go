@@ -121,24 +121,11 @@ func (s *Store) placeRun(ds []digest.Digest, datas [][]byte, errs []error) []boo
 	}
 
 	s.mu.Lock()
-	ok := make([]bool, len(ds))
 	for j, t := range targets {
-		a := t.sl.a
-		a.img.release()
-		switch {
-		case a.done:
-			ok[t.i] = true // as place: nothing left to write there
-		case werrs[j] != nil:
-			// Left to WriteImage, or to the next fetch of the chunk.
-			s.wanted[ds[t.i]] = append(s.wanted[ds[t.i]], t.sl)
+		if s.endWriteLocked(t.sl, ds[t.i], werrs[j]) {
+			placed[t.i] = true
+		} else {
 			errs[t.i] = werrs[j]
-		default:
-			c := a.chunks[t.sl.file][t.sl.chunk]
-			a.filled[t.sl.file][t.sl.chunk] = true
-			a.bytes += c.Size
-			s.total += c.Size
-			s.addPlaceLocked(a.img, ds[t.i], t.sl.file, c.Offset, c.Size, true)
-			ok[t.i] = true
 		}
 	}
 	for _, d := range claimed {
@@ -147,8 +134,8 @@ func (s *Store) placeRun(ds []digest.Digest, datas [][]byte, errs []error) []boo
 	close(ch)
 	s.mu.Unlock()
 	for i := range ds {
-		if ok[i] {
-			placed[i], errs[i] = true, nil
+		if placed[i] {
+			errs[i] = nil // as place: one write that went is enough
 		}
 	}
 	return placed

@@ -683,14 +683,6 @@ const MaxCoalesce = format.DefaultPackSize
 // It fetches nothing that was not queued.
 const ReadAhead = MaxCoalesce
 
-// FaultReadAhead is ReadAhead for a page fault: the frames queued behind
-// the faulted one in its pack, up to 256 KiB in all (the most a random
-// 4 KiB read may move, issue 12). An application faults its pages one
-// after the other, mostly near each other: v1's 1 MiB chunks brought the
-// next faults' pages along, v2's 64 KiB ones did not, and through FUSE
-// the app ran again 1.97x as late at 2 GiB (docs/benchmarks.md).
-const FaultReadAhead = 256 << 10
-
 // frame is where a format v2 chunk lies: its pack and its offset there.
 type frame struct {
 	pack digest.Digest
@@ -755,17 +747,12 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 		q = q[1:]
 	}
 	s.queues[p] = q
-	limit := int64(ReadAhead)
-	switch p {
-	case Read:
-	case Fault:
-		limit = FaultReadAhead
-	default:
+	if p != Read {
 		return
 	}
-	for {
+	for total < ReadAhead {
 		next := s.byFrame[frame{cl.chunk.Blob, end}]
-		if next == nil || next.started || next.prio > Read || total+next.chunk.BlobSize > limit || !take(next) {
+		if next == nil || next.started || next.prio > Read || !take(next) {
 			return
 		}
 	}
@@ -1081,7 +1068,7 @@ func (s *Scheduler) upstreamShare(calls []*call) (lo, hi int) {
 	defer s.mu.Unlock()
 	lo = -1
 	for i, cl := range calls {
-		if cl.demand || cl.peerTries >= maxPeerTries {
+		if goesUpstream(cl) {
 			if lo < 0 {
 				lo = i
 			}
@@ -1105,12 +1092,17 @@ func (s *Scheduler) upstreamShare(calls []*call) (lo, hi int) {
 func (s *Scheduler) askPeersAgain(cl *call) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if cl.demand || cl.peerTries >= maxPeerTries {
+	if goesUpstream(cl) {
 		return false
 	}
 	cl.peerTries++
 	return true
 }
+
+// goesUpstream reports whether call cl, which a peer failed to serve, is
+// fetched upstream now rather than asked of the peers again: a read
+// waits on it, or it was asked again maxPeerTries times. s.mu is held.
+func goesUpstream(cl *call) bool { return cl.demand || cl.peerTries >= maxPeerTries }
 
 // errAskPeersAgain ends the node-wide fetch of a chunk that goes back to
 // be asked of the peers again (upstreamShare).

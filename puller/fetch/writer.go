@@ -1,7 +1,6 @@
 package fetch
 
 import (
-	"fmt"
 	"sync"
 
 	"github.com/opencontainers/go-digest"
@@ -14,7 +13,8 @@ import (
 // bounded, and a submit waits for room: a disk slower than the network
 // slows fetching down instead of growing the queue.
 type writer struct {
-	// put stores a run of chunks, returning each one's outcome.
+	// put stores a run of chunks, returning each one's outcome, in
+	// order (one error per chunk).
 	put     func([]digest.Digest, [][]byte) []error
 	limit   int64
 	metrics *Metrics
@@ -119,13 +119,6 @@ func (w *writer) run() {
 		w.mu.Unlock()
 
 		errs := w.put(ds, datas)
-		if len(errs) != len(run) {
-			err := fmt.Errorf("the node store answered %d outcomes for %d chunks", len(errs), len(run))
-			errs = make([]error, len(run))
-			for i := range errs {
-				errs[i] = err
-			}
-		}
 
 		w.mu.Lock()
 		w.bytes -= n
