@@ -161,7 +161,7 @@ func BenchmarkRestore(b *testing.B) {
 								args = append(args, "--cpuprofile", fmt.Sprintf("%s.%s.%d.%d", prof, format, mib, r))
 							}
 							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
-								args = append(args, "--read-log", log)
+								args = append(args, "--read-log", fmt.Sprintf("%s.%s.%d.%d", log, format, mib, r))
 							}
 						}
 						for _, f := range app.Flags() {
@@ -402,7 +402,7 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 // path's cryo restore, CRYO_BENCH_FUSE_CPUPROFILE=PREFIX the FUSE path's
 // (to PREFIX.<format>.<MiB>.<rep>), CRYO_BENCH_GOFER_FLAGS adds flags to it (e.g.
 // "--workers 4"), and CRYO_BENCH_READ_LOG=FILE logs every read of the FUSE
-// path to FILE and of the gofer path to FILE.gofer.
+// path to FILE.<format>.<MiB>.<rep> and of the gofer path to FILE.gofer.
 func pathsFromEnv(formats []string) []string {
 	all := []string{localCold, localWarm, naive, cryoGofer, cryoCold, cryoWarm}
 	for _, f := range formats[1:] {
