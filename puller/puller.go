@@ -319,6 +319,14 @@ func (l *load) beginAll(ctx, wait context.Context) {
 func (l *load) begin(ctx context.Context) <-chan foundProfile {
 	o := l.p.opts
 	l.tables = newTables(ctx, Failover(l.src.Endpoints), l.snap, o.Deadline)
+	// A restoring sandbox's loader reads pages.img from its start, and
+	// runsc restore waits on those first reads: the first part's table
+	// loads now, while runsc starts, not when the first read waits for it.
+	for fi, f := range l.snap.Files {
+		if f.Path == format.PagesFile && len(f.Parts) > 1 {
+			l.tables.hurrySpan(fi, 0, 1)
+		}
+	}
 	found := l.findProfile(ctx)
 	fo := fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching}
 	if o.Peers != nil && l.src.Repository != "" {
@@ -747,7 +755,9 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	for i, f := range l.snap.Files {
 		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Span: func(ctx context.Context, off, n int64) ([]format.Chunk, error) {
 			return l.tables.span(ctx, i, off, n)
-		}}
+		}, Near: func(off, n int64) []format.Chunk {
+			return l.tables.loadedSpan(i, off, n)
+		}, Faults: &imagefs.FaultHistory{}}
 	}
 	profiled := make(chan struct{})
 	go func() {

@@ -16,6 +16,8 @@ import (
 var (
 	_ format.ChunkSource = scheduled{}
 	_ format.ChunkSource = cached{}
+	_ imagefs.NearWanter = scheduled{}
+	_ imagefs.NearWanter = cached{}
 )
 
 // scheduled reads chunks through a fetch scheduler: from the node cache,
@@ -29,6 +31,18 @@ type scheduled struct {
 
 // Want queues the fetches of the chunks a read needs, at once.
 func (s scheduled) Want(chunks []format.Chunk) { s.s.Want(chunks, s.prio) }
+
+// WantNear queues a page fault's chunks and those near it
+// (fetch.Scheduler.WantNear); at another priority, the read's chunks
+// only, as Want.
+func (s scheduled) WantNear(read []format.Chunk, near func() []format.Chunk) {
+	switch {
+	case s.prio == fetch.Fault:
+		s.s.WantNear(read, near())
+	case len(read) > 1:
+		s.s.Want(read, s.prio)
+	}
+}
 
 // Chunk returns chunk c's verified bytes.
 func (s scheduled) Chunk(ctx context.Context, c format.Chunk, buf []byte) ([]byte, error) {
@@ -47,6 +61,16 @@ type cached struct {
 func (s cached) Want(chunks []format.Chunk) {
 	if w, ok := s.next.(imagefs.Wanter); ok {
 		w.Want(chunks)
+	}
+}
+
+// WantNear passes on a page fault's chunks and those near it, if next
+// takes them.
+func (s cached) WantNear(read []format.Chunk, near func() []format.Chunk) {
+	if w, ok := s.next.(imagefs.NearWanter); ok {
+		w.WantNear(read, near)
+	} else if w, ok := s.next.(imagefs.Wanter); ok && len(read) > 1 {
+		w.Want(read)
 	}
 }
 

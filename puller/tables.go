@@ -292,6 +292,32 @@ func (t *tables) all(ctx context.Context) ([][]format.Chunk, error) {
 	return out, nil
 }
 
+// loadedSpan returns the chunks that hold [off, off+n) of file fi, as far
+// as their parts' tables are loaded, without waiting for any: the
+// neighbourhood of a page fault (imagefs.File.Near), which must not hold
+// up the fault.
+func (t *tables) loadedSpan(fi int, off, n int64) []format.Chunk {
+	f := &t.snap.Files[fi]
+	first, last := f.PartAt(max(off, 0)), f.PartAt(min(off+n, f.Size)-1)
+	if first < 0 || last < 0 {
+		return nil
+	}
+	var out []format.Chunk
+	for pi := first; pi <= last; pi++ {
+		c, ok := t.loaded(fi, pi)
+		if !ok {
+			continue
+		}
+		lo := sort.Search(len(c), func(i int) bool { return c[i].End() > off })
+		hi := sort.Search(len(c), func(i int) bool { return c[i].Offset >= off+n })
+		if first == last {
+			return c[lo:hi]
+		}
+		out = append(out, c[lo:hi]...)
+	}
+	return out
+}
+
 // hurrySpan starts loading the tables of the parts of file fi that hold
 // [off, off+n), ahead of the background's.
 func (t *tables) hurrySpan(fi int, off, n int64) {

@@ -60,10 +60,12 @@ func TestV2FullLoadCoalescesFrames(t *testing.T) {
 }
 
 // TestV2RandomSmallReadsMoveLittle reads 4 KiB at random offsets of a v2
-// snapshot's pages.img on a cold node cache, through the fetch scheduler
-// and the read path every presenter shares (imagefs.ReadAt), with no
-// background load: each read moves the one chunk it touches (at most 256
-// KiB), not a pack.
+// snapshot's pages.img on a cold node cache, as a mount's page faults,
+// through the fetch scheduler and the read path every presenter shares
+// (imagefs.ReadAt), with no background load: each read moves the one
+// chunk it touches, not a pack, and brings its neighbourhood along only
+// when a recent fault was near it, so that 4 KiB reads move at most 256
+// KiB each.
 func TestV2RandomSmallReadsMoveLittle(t *testing.T) {
 	r := startReg(t)
 	src, s := pushV2(t, r, "app", synth.Random, 64<<20, 2)
@@ -72,14 +74,14 @@ func TestV2RandomSmallReadsMoveLittle(t *testing.T) {
 	c, codec := coldCache(t)
 	sched := fetch.New(s.Endpoints, c, codec, fetch.Options{})
 	defer sched.Close()
-	file := &imagefs.File{Path: format.PagesFile, Size: int64(len(want)), Chunks: chunks}
+	file := &imagefs.File{Path: format.PagesFile, Size: int64(len(want)), Chunks: chunks, Faults: &imagefs.FaultHistory{}}
 	rng := rand.New(rand.NewPCG(3, 3))
 	buf := make([]byte, 4096)
 	const reads = 200
 	before := r.blobBytes.Load()
 	for range reads {
 		off := rng.Int64N(int64(len(want))/4096) * 4096
-		if err := imagefs.ReadAt(context.Background(), c, file, buf, off, scheduled{s: sched, prio: fetch.Read}, &imagefs.Stats{}); err != nil {
+		if err := imagefs.ReadAt(context.Background(), c, file, buf, off, scheduled{s: sched, prio: fetch.Fault}, &imagefs.Stats{}); err != nil {
 			t.Fatal(err)
 		}
 		if !bytes.Equal(buf, want[off:off+4096]) {
@@ -91,6 +93,72 @@ func TestV2RandomSmallReadsMoveLittle(t *testing.T) {
 		t.Fatalf("%d random 4 KiB reads moved %d bytes, %d per read: over 256 KiB each", reads, moved, moved/reads)
 	}
 	t.Logf("%d bytes per random 4 KiB read", moved/reads)
+}
+
+// TestV2NearbyFaultsBringTheirRegion: a page fault near a recent one (in
+// the same aligned imagefs.NearSpan) brings that whole span's chunks
+// along, in few range requests, and every byte read is the source's; the
+// first fault there brought only its own chunk.
+func TestV2NearbyFaultsBringTheirRegion(t *testing.T) {
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 16<<20, 4)
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	chunks := snapshotChunksOf(t, s, format.PagesFile)
+	c, codec := coldCache(t)
+	sched := fetch.New(s.Endpoints, c, codec, fetch.Options{KeepLog: true})
+	defer sched.Close()
+	file := &imagefs.File{Path: format.PagesFile, Size: int64(len(want)), Chunks: chunks, Faults: &imagefs.FaultHistory{}}
+	region := int64(5 * imagefs.NearSpan)
+	var inRegion []format.Chunk
+	for _, ch := range chunks {
+		if ch.End() > region && ch.Offset < region+imagefs.NearSpan {
+			inRegion = append(inRegion, ch)
+		}
+	}
+	buf := make([]byte, 4096)
+	read := func(off int64) {
+		t.Helper()
+		if err := imagefs.ReadAt(context.Background(), c, file, buf, off, scheduled{s: sched, prio: fetch.Fault}, &imagefs.Stats{}); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(buf, want[off:off+4096]) {
+			t.Fatalf("bytes at %d differ", off)
+		}
+	}
+	before := r.blobGets.Load()
+	read(region + 600<<10)
+	// Every fetch is logged when it is taken, the neighbours a fault
+	// takes along included, before the fault's bytes are served.
+	if n := len(sched.Log()); n > 1 {
+		t.Fatalf("a first fault in the region fetched %d chunks: it brought neighbours along", n)
+	}
+	read(region + 300<<10)
+	settle(t, c, inRegion)
+	gets := r.blobGets.Load() - before
+	if gets > 5 {
+		t.Errorf("%d blob requests for two faults and their region of %d chunks: not coalesced", gets, len(inRegion))
+	}
+	t.Logf("%d chunks in the region, %d requests", len(inRegion), gets)
+}
+
+// settle waits until every chunk of want is in the node cache c (the
+// fetch scheduler writes them in the background).
+func settle(t *testing.T, c *cache.Store, want []format.Chunk) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		all := true
+		for _, ch := range want {
+			all = all && c.Has(ch.Digest)
+		}
+		if all {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("chunks never reached the node cache")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // coldCache returns an empty node cache and a codec, closed at the

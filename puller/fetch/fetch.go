@@ -35,6 +35,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"time"
 
@@ -86,6 +87,15 @@ type Options struct {
 	// lies costs a bounded wait, and the chunk is fetched from the
 	// endpoints.
 	Peers Peers
+	// BackgroundCPU bounds, while a page fault is being fetched, how
+	// many frames of range requests (format v2: the background load's,
+	// its loader's reads') that no sandbox waits on are verified and
+	// decoded at once (default GOMAXPROCS-1, at least 1; a frame fetched
+	// alone, as a retry is, does not wait). A fault's own frames
+	// never wait for it: with every core hashing the background's frames,
+	// Go's scheduler gives a fault's fetch its turn only after theirs,
+	// and faults took 50-280 ms each on two cores (docs/benchmarks.md).
+	BackgroundCPU int
 	// ServesPeers marks the scheduler of the chunks a node serves its
 	// peers (puller.ServeChunks): it does not follow another mount's fetch
 	// of a chunk while that fetch waits on a peer (which may be waiting on
@@ -228,6 +238,11 @@ type Scheduler struct {
 	// reads go ahead of profile chunks (the restore itself waits on
 	// them); after it, profile chunks go ahead of reads.
 	running bool
+	// backgroundCPU holds a token per background frame being verified
+	// (Options.BackgroundCPU); yielding, if set (tests), is called when a
+	// frame waits for one.
+	backgroundCPU chan struct{}
+	yielding      func()
 
 	wg sync.WaitGroup
 }
@@ -315,7 +330,11 @@ func newWithStore(endpoints []Endpoint, c chunkStore, codec *format.Codec, opts 
 	if opts.WriteBuffer <= 0 {
 		opts.WriteBuffer = 64 << 20
 	}
-	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}, byFrame: map[frame]*call{}}
+	if opts.BackgroundCPU <= 0 {
+		opts.BackgroundCPU = max(1, runtime.GOMAXPROCS(0)-1)
+	}
+	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}, byFrame: map[frame]*call{},
+		backgroundCPU: make(chan struct{}, opts.BackgroundCPU)}
 	s.w = newWriter(c.PutVerifiedRun, opts.Writers, opts.WriteBuffer, opts.Metrics)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.cond = sync.NewCond(&s.mu)
@@ -474,6 +493,62 @@ func (s *Scheduler) Want(chunks []format.Chunk, prio Priority) {
 	}
 }
 
+// WantNear queues, at priority Fault, the fetches of a page fault's
+// chunks (read, which it is about to Get one after the other) and of the
+// chunks near them (near, in file order: see imagefs.NearWanter), all at
+// once: the first chunk of read is taken first, in one range request with
+// the frames that follow it in its pack (up to FaultCoalesce), and the
+// frames before it next, in another. An
+// application faults its pages one after the other, mostly near each
+// other; v1's 1 MiB chunks brought the next faults' pages along, v2's
+// 64 KiB ones, fetched one by one, did not (docs/benchmarks.md). Chunks
+// cached, zero or not packed are skipped; the neighbours are no read's
+// yet (a peer's wait for them stays the long one). WantNear does not
+// wait.
+func (s *Scheduler) WantNear(read, near []format.Chunk) {
+	if len(read) == 0 {
+		return
+	}
+	lo, hi := read[0].Offset, read[len(read)-1].End()
+	// all is near's chunks before read, read, near's chunks after it.
+	var all []format.Chunk
+	for _, c := range near {
+		if c.Offset < lo {
+			all = append(all, c)
+		}
+	}
+	first := len(all)
+	all = append(all, read...)
+	for _, c := range near {
+		if c.Offset >= hi {
+			all = append(all, c)
+		}
+	}
+	// Faults are taken newest first: queued last, read[0] is taken
+	// first (then the rest of read and what follows, in file order);
+	// all[first-1..0] are queued before, so all[0] comes after them.
+	var order []format.Chunk
+	for j := first - 1; j >= 0; j-- {
+		order = append(order, all[j])
+	}
+	for j := len(all) - 1; j >= first; j-- {
+		order = append(order, all[j])
+	}
+	todo := order[:0]
+	for _, c := range order {
+		if c.Encoding != format.EncodingZero && c.Packed() && !s.cache.Has(c.Digest) {
+			todo = append(todo, c)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range todo {
+		if _, err := s.enqueueLocked(c, Fault, c.Offset >= lo && c.Offset < hi); err != nil {
+			return
+		}
+	}
+}
+
 // Pending is a queued prefetch.
 type Pending struct{ c *call }
 
@@ -493,13 +568,19 @@ func (p *Pending) Chunk() format.Chunk { return p.c.chunk }
 func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.enqueueLocked(c, prio, prio.isDemand())
+}
+
+// enqueueLocked is enqueue with s.mu held; demand says a read waits on
+// the chunk (false for a page fault's neighbours, WantNear).
+func (s *Scheduler) enqueueLocked(c format.Chunk, prio Priority, demand bool) (*call, error) {
 	if s.closed {
 		return nil, ErrClosed
 	}
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
-		cl.demand = cl.demand || prio.isDemand()
-		if prio.isDemand() {
+		cl.demand = cl.demand || demand
+		if demand {
 			cl.peerWait.set()
 			if cl.following != nil {
 				cl.following.demand()
@@ -518,7 +599,7 @@ func (s *Scheduler) enqueue(c format.Chunk, prio Priority) (*call, error) {
 		}
 		return cl, nil
 	}
-	cl := &call{chunk: c, prio: prio, want: prio, demand: prio.isDemand(), done: make(chan struct{}), ready: make(chan struct{})}
+	cl := &call{chunk: c, prio: prio, want: prio, demand: demand, done: make(chan struct{}), ready: make(chan struct{})}
 	s.calls[k] = cl
 	if f := frameOf(c); c.Packed() && s.byFrame[f] == nil {
 		s.byFrame[f] = cl
@@ -555,7 +636,9 @@ func (s *Scheduler) faultWorker(prio Priority) {
 		s.mu.Lock()
 		var cl *call
 		if !s.closed {
-			cl = s.take(Fault)
+			if cl = s.take(Fault); cl != nil && cl.chunk.Packed() && !cl.single {
+				s.coalesce(cl, Fault)
+			}
 		}
 		if cl == nil {
 			// A worker took it meanwhile, or the scheduler closed.
@@ -614,7 +697,7 @@ func (s *Scheduler) next() (*call, Priority) {
 				break
 			}
 			if cl := s.take(p); cl != nil {
-				if p != Fault && cl.chunk.Packed() && !cl.single {
+				if cl.chunk.Packed() && !cl.single {
 					s.coalesce(cl, p)
 				}
 				return cl, p
@@ -683,6 +766,12 @@ const MaxCoalesce = format.DefaultPackSize
 // It fetches nothing that was not queued.
 const ReadAhead = MaxCoalesce
 
+// FaultCoalesce bounds the stored bytes of a page fault's range request:
+// its frame, then the queued frames that follow it in its pack (its
+// neighbours, WantNear). The fault's bytes come first: they are served as
+// soon as they are in, before the rest of the range arrives.
+const FaultCoalesce = 1 << 20
+
 // frame is where a format v2 chunk lies: its pack and its offset there.
 type frame struct {
 	pack digest.Digest
@@ -705,18 +794,25 @@ func (s *Scheduler) forgetFrame(cl *call) {
 // chunks of a file, so neighbours in a pack are neighbours in the queue.
 // A read then goes on with the queued reads and prefetches of the frames
 // that follow (reads come in concurrently, so not always in file order),
-// until the request holds ReadAhead bytes. Page faults are never
-// coalesced: a fault waits for its own chunk only. With a node-wide
-// InFlight, a call joins the batch only if this scheduler leads its
-// fetch; cl's own flight is joined by run.
+// until the request holds ReadAhead bytes. A page fault (taken newest
+// first, so the head of its queue says nothing of its neighbours) goes on
+// the same way with the faults queued for the frames that follow it (its
+// neighbours, WantNear), up to FaultCoalesce bytes, but not with the
+// background's: a fault with no neighbourhood moves its own chunk only.
+// With a node-wide InFlight, a call joins the batch only if this
+// scheduler leads its fetch; cl's own flight is joined by run.
 func (s *Scheduler) coalesce(cl *call, p Priority) {
 	end := cl.chunk.PackOffset + cl.chunk.BlobSize
 	total := cl.chunk.BlobSize
+	limit := int64(ReadAhead)
+	if p == Fault {
+		limit = FaultCoalesce
+	}
 	// take adds next, whose frame starts at end, to the batch, and
 	// reports whether it did.
 	take := func(next *call) bool {
 		c := next.chunk
-		if next.single || !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > MaxCoalesce {
+		if next.single || !c.Packed() || c.Blob != cl.chunk.Blob || c.PackOffset != end || total+c.BlobSize > limit {
 			return false
 		}
 		var f *flight
@@ -735,7 +831,7 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 		return true
 	}
 	q := s.queues[p]
-	for len(q) > 0 && total < MaxCoalesce {
+	for p != Fault && len(q) > 0 && total < MaxCoalesce {
 		next := q[0]
 		if next.started || next.prio != p {
 			q = q[1:] // stale: promoted away or running
@@ -747,12 +843,12 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 		q = q[1:]
 	}
 	s.queues[p] = q
-	if p != Read {
+	if p != Read && p != Fault {
 		return
 	}
-	for total < ReadAhead {
+	for total < limit {
 		next := s.byFrame[frame{cl.chunk.Blob, end}]
-		if next == nil || next.started || next.prio > Read || !take(next) {
+		if next == nil || next.started || next.prio > p || p == Fault && next.prio != Fault || !take(next) {
 			return
 		}
 	}
@@ -1212,7 +1308,7 @@ func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]b
 		r := &rangeBuffer{r: rc, start: start, buf: make([]byte, end-start)}
 		for ; i < len(calls); i++ {
 			c := calls[i].chunk
-			data, err := s.readFrame(r, c)
+			data, err := s.readFrame(r, c, s.yields(calls[i]))
 			if err != nil {
 				if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) || errors.Is(err, format.ErrInvalid) {
 					s.opts.Metrics.verifyFailed(ep.Name)
@@ -1262,16 +1358,37 @@ func (b *rangeBuffer) frame(off, n int64) ([]byte, error) {
 }
 
 // readFrame reads chunk c's frame from r and returns the chunk's verified
-// bytes.
-func (s *Scheduler) readFrame(r *rangeBuffer, c format.Chunk) ([]byte, error) {
+// bytes. If it yields to a page fault, it is verified and decoded only
+// with a token of Options.BackgroundCPU.
+func (s *Scheduler) readFrame(r *rangeBuffer, c format.Chunk, yield bool) ([]byte, error) {
 	frame, err := r.frame(c.PackOffset, c.BlobSize)
 	if err != nil {
 		return nil, fmt.Errorf("chunk %s: read %d bytes of its frame: %w", c.Digest, c.BlobSize, err)
+	}
+	if yield {
+		if s.yielding != nil {
+			s.yielding()
+		}
+		s.backgroundCPU <- struct{}{}
+		defer func() { <-s.backgroundCPU }()
 	}
 	if c.Encoding == format.EncodingRaw {
 		return frame, s.codec.Verify(c, frame)
 	}
 	return s.codec.Decode(c, frame, nil)
+}
+
+// yields reports whether call cl's frame waits for a token of
+// Options.BackgroundCPU before it is verified: page faults are being
+// fetched (queued or running), and cl is not one of them nor, once the
+// sandbox runs, a profile's chunk (the urgent fetches of next).
+func (s *Scheduler) yields(cl *call) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cl.want == Fault || s.running && cl.want == Profile {
+		return false
+	}
+	return s.active[Fault] > 0 || len(s.queues[Fault]) > 0
 }
 
 // requeue puts started call cl back in its queue, to be run again, unless

@@ -3,6 +3,7 @@ package fetch
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"sync"
 	"testing"
@@ -100,5 +101,196 @@ func TestReadReadsAhead(t *testing.T) {
 	}
 	if len(store.ranges) != 4 {
 		t.Errorf("%d range requests, want 4 (the first frame, the read and its read-ahead, the prefetches before and after it): %v", len(store.ranges), store.ranges)
+	}
+}
+
+// TestFaultBringsItsNeighbours: a page fault told its neighbourhood
+// (WantNear) is fetched first, in one range request with the frames that
+// follow it in the pack, and the frames before it come next, in another:
+// two requests for the 1 MiB around the fault instead of one per chunk,
+// and nothing outside it.
+func TestFaultBringsItsNeighbours(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	cs, b := packedChunks(2, 40, size) // 1.25 MiB: the neighbourhood is the first 1 MiB
+	store := &rangeLog{gate: newGate(b)}
+	store.open()
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: store}}, c, codec, Options{Workers: 1})
+	ctx := context.Background()
+	near := cs[:32]
+	s.WantNear(cs[10:11], near)
+	data, err := s.Get(ctx, cs[10], nil, Fault)
+	if err != nil || !bytes.Equal(data, b[cs[0].Blob][cs[10].PackOffset:cs[10].PackOffset+size]) {
+		t.Fatalf("fault: %v", err)
+	}
+	for deadline := time.Now().Add(hangLimit); ; time.Sleep(time.Millisecond) {
+		all := true
+		for _, x := range near {
+			all = all && c.Has(x.Digest)
+		}
+		if all {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the neighbours never reached the node cache")
+		}
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	want := [][2]int64{{cs[10].PackOffset, 22 * size}, {0, 10 * size}}
+	if len(store.ranges) != len(want) || store.ranges[0] != want[0] || store.ranges[1] != want[1] {
+		t.Errorf("range requests %v, want %v (the fault and the frames after it, then the frames before it)", store.ranges, want)
+	}
+	for _, x := range cs[32:] {
+		if c.Has(x.Digest) {
+			t.Errorf("chunk at %d, outside the neighbourhood, was fetched", x.Offset)
+		}
+	}
+}
+
+// packGate serves ranges of blobs, those of one pack only once opened.
+type packGate struct {
+	blobs
+	pack    digest.Digest
+	entered chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (g *packGate) FetchRange(ctx context.Context, desc ocispec.Descriptor, off, n int64) (io.ReadCloser, error) {
+	if desc.Digest == g.pack {
+		g.once.Do(func() { close(g.entered) })
+		select {
+		case <-g.release:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	data, ok := g.blobs[desc.Digest]
+	if !ok || off+n > int64(len(data)) {
+		return nil, fmt.Errorf("no range [%d,+%d) of %s", off, n, desc.Digest)
+	}
+	return io.NopCloser(bytes.NewReader(data[off : off+n])), nil
+}
+
+// TestBackgroundYieldsToFaults: while a page fault is being fetched, a
+// background frame (a read of the loader) is verified only with a token
+// of Options.BackgroundCPU, and the fault's own frame never waits for
+// one: with the only token held, the read waits and the fault is served;
+// the read is served once the token is back.
+func TestBackgroundYieldsToFaults(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	faulted, fb := packedChunks(3, 2, size)
+	read, rb := packedChunks(4, 2, size)
+	all := blobs{}
+	for d, p := range fb {
+		all[d] = p
+	}
+	for d, p := range rb {
+		all[d] = p
+	}
+	store := &packGate{blobs: all, pack: faulted[0].Blob, entered: make(chan struct{}), release: make(chan struct{})}
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: store}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
+	yielded := make(chan struct{}, 4)
+	s.yielding = func() { yielded <- struct{}{} }
+	s.backgroundCPU <- struct{}{} // the only token, held
+	ctx := context.Background()
+	faultDone := make(chan result, 1)
+	go func() {
+		s.WantNear(faulted, nil)
+		d, err := s.Get(ctx, faulted[0], nil, Fault)
+		faultDone <- result{d, err}
+	}()
+	wait(t, store.entered, "the fault's fetch") // a fault is being fetched
+	// A read of two frames: one range request, as the loader's reads are.
+	readDone := make(chan result, 1)
+	go func() { s.Want(read, Read); d, err := s.Get(ctx, read[0], nil, Read); readDone <- result{d, err} }()
+	wait(t, yielded, "the read's frame waiting for the token")
+	select {
+	case r := <-readDone:
+		t.Fatalf("the read was served (err %v) without the token", r.err)
+	default:
+	}
+	close(store.release)
+	if r := wait(t, faultDone, "the fault, with the token held"); r.err != nil || !bytes.Equal(r.data, fb[faulted[0].Blob][:size]) {
+		t.Fatalf("fault: %v", r.err)
+	}
+	<-s.backgroundCPU
+	if r := wait(t, readDone, "the read"); r.err != nil || !bytes.Equal(r.data, rb[read[0].Blob][:size]) {
+		t.Fatalf("read: %v", r.err)
+	}
+}
+
+// TestFaultReadInOneRequest: a page fault's read of several chunks
+// (WantNear with no neighbourhood, or a neighbourhood the read runs past)
+// is fetched in file order, in one range request per FaultCoalesce bytes,
+// not one request per chunk nor last chunk first.
+func TestFaultReadInOneRequest(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	cs, b := packedChunks(5, 48, size) // 1.5 MiB
+	store := &rangeLog{gate: newGate(b)}
+	store.open()
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: store}}, c, codec, Options{Workers: 1})
+	ctx := context.Background()
+	read := cs[4:44] // 1.25 MiB: past the 1 MiB neighbourhood cs[:32]
+	s.WantNear(read, cs[:32])
+	for _, x := range read {
+		data, err := s.Get(ctx, x, nil, Fault)
+		if err != nil || !bytes.Equal(data, b[x.Blob][x.PackOffset:x.PackOffset+size]) {
+			t.Fatalf("chunk at %d: %v", x.Offset, err)
+		}
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	perRequest := int64(FaultCoalesce / size)
+	if len(store.ranges) < 2 || store.ranges[0] != [2]int64{cs[4].PackOffset, perRequest * size} ||
+		store.ranges[1] != [2]int64{cs[4+perRequest].PackOffset, (44 - 4 - perRequest) * size} {
+		t.Errorf("range requests %v: want the read's first %d chunks from %d, then the rest of it", store.ranges, perRequest, cs[4].PackOffset)
+	}
+}
+
+// TestLoneFaultMovesItsChunk: a page fault without a neighbourhood takes
+// along none of the frames queued behind it in its pack for the
+// background load: a random 4 KiB read moves its own chunk.
+func TestLoneFaultMovesItsChunk(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	cs, b := packedChunks(6, 20, size)
+	store := &rangeLog{gate: newGate(b)}
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
+	ctx := context.Background()
+	first := s.Prefetch(cs[:1])
+	wait(t, store.entered, "the first fetch")
+	rest := s.Prefetch(cs[1:])
+	fault := make(chan result, 1)
+	go func() { s.WantNear(cs[10:11], nil); d, err := s.Get(ctx, cs[10], nil, Fault); fault <- result{d, err} }()
+	for deadline := time.Now().Add(hangLimit); ; time.Sleep(time.Millisecond) {
+		s.mu.Lock()
+		taken := s.active[Fault] > 0
+		s.mu.Unlock()
+		if taken {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the fault was never taken")
+		}
+	}
+	store.open()
+	if r := wait(t, fault, "fault"); r.err != nil {
+		t.Fatal(r.err)
+	}
+	for _, p := range append(first, rest...) {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	for _, r := range store.ranges {
+		if r[0] == cs[10].PackOffset && r[1] != size {
+			t.Errorf("the fault's range request: %d bytes, want its own frame's %d (ranges asked: %v)", r[1], size, store.ranges)
+		}
 	}
 }

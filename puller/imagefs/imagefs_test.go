@@ -36,3 +36,29 @@ func TestLyingSizeNeverServedOrPanics(t *testing.T) {
 		}
 	}
 }
+
+// TestFaultHistoryNear: a fault brings its aligned NearSpan along only
+// when one of the file's last RecentFaults faults lies in it too; a
+// fault far from every recent one (a random read) brings nothing, and a
+// region stops counting once RecentFaults faults elsewhere have pushed
+// it out.
+func TestFaultHistoryNear(t *testing.T) {
+	var h FaultHistory
+	span := func(off int64) int64 { lo, hi := h.Near(off); return hi - lo }
+	base := int64(7 * NearSpan)
+	if n := span(base + 4096); n != 0 {
+		t.Fatalf("a first fault brings %d bytes along, want 0", n)
+	}
+	if lo, hi := h.Near(base + NearSpan - 4096); lo != base || hi != base+NearSpan {
+		t.Fatalf("a second fault in the span brings [%d,%d), want [%d,%d)", lo, hi, base, base+NearSpan)
+	}
+	if n := span(base + NearSpan); n != 0 {
+		t.Fatalf("a fault in the next span brings %d bytes along, want 0", n)
+	}
+	for i := range RecentFaults {
+		span(int64(100+2*i) * NearSpan)
+	}
+	if n := span(base + 8192); n != 0 {
+		t.Fatalf("a fault in a span %d faults ago brings %d bytes along, want 0", RecentFaults, n)
+	}
+}
