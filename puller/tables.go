@@ -304,16 +304,9 @@ func (t *tables) loadedSpan(fi int, off, n int64) []format.Chunk {
 	}
 	var out []format.Chunk
 	for pi := first; pi <= last; pi++ {
-		c, ok := t.loaded(fi, pi)
-		if !ok {
-			continue
+		if c, ok := t.loaded(fi, pi); ok {
+			out = append(out, clip(c, off, n)...)
 		}
-		lo := sort.Search(len(c), func(i int) bool { return c[i].End() > off })
-		hi := sort.Search(len(c), func(i int) bool { return c[i].Offset >= off+n })
-		if first == last {
-			return c[lo:hi]
-		}
-		out = append(out, c[lo:hi]...)
 	}
 	return out
 }
@@ -351,12 +344,18 @@ func (t *tables) span(ctx context.Context, fi int, off, n int64) ([]format.Chunk
 		if err != nil {
 			return nil, err
 		}
-		lo := sort.Search(len(c), func(i int) bool { return c[i].End() > off })
-		hi := sort.Search(len(c), func(i int) bool { return c[i].Offset >= off+n })
 		if first == last {
-			return c[lo:hi], nil
+			return clip(c, off, n), nil
 		}
-		out = append(out, c[lo:hi]...)
+		out = append(out, clip(c, off, n)...)
 	}
 	return out, nil
+}
+
+// clip returns the chunks of c (in offset order) that hold bytes of
+// [off, off+n).
+func clip(c []format.Chunk, off, n int64) []format.Chunk {
+	lo := sort.Search(len(c), func(i int) bool { return c[i].End() > off })
+	hi := sort.Search(len(c), func(i int) bool { return c[i].Offset >= off+n })
+	return c[lo:hi]
 }

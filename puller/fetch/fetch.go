@@ -510,35 +510,29 @@ func (s *Scheduler) WantNear(read, near []format.Chunk) {
 		return
 	}
 	lo, hi := read[0].Offset, read[len(read)-1].End()
-	// all is near's chunks before read, read, near's chunks after it.
-	var all []format.Chunk
-	for _, c := range near {
-		if c.Offset < lo {
-			all = append(all, c)
-		}
-	}
-	first := len(all)
-	all = append(all, read...)
-	for _, c := range near {
-		if c.Offset >= hi {
-			all = append(all, c)
-		}
-	}
-	// Faults are taken newest first: queued last, read[0] is taken
-	// first (then the rest of read and what follows, in file order);
-	// all[first-1..0] are queued before, so all[0] comes after them.
-	var order []format.Chunk
-	for j := first - 1; j >= 0; j-- {
-		order = append(order, all[j])
-	}
-	for j := len(all) - 1; j >= first; j-- {
-		order = append(order, all[j])
-	}
-	todo := order[:0]
-	for _, c := range order {
+	// Faults are taken newest first, so the queue order is the reverse
+	// of the fetch order: near's chunks before read, last first (the
+	// first of them comes after read), then near's chunks after read and
+	// read itself, last first (read[0] is taken first, then what follows
+	// it, in file order).
+	var todo []format.Chunk
+	add := func(c format.Chunk) {
 		if c.Encoding != format.EncodingZero && c.Packed() && !s.cache.Has(c.Digest) {
 			todo = append(todo, c)
 		}
+	}
+	for j := len(near) - 1; j >= 0; j-- {
+		if near[j].Offset < lo {
+			add(near[j])
+		}
+	}
+	for j := len(near) - 1; j >= 0; j-- {
+		if near[j].Offset >= hi {
+			add(near[j])
+		}
+	}
+	for j := len(read) - 1; j >= 0; j-- {
+		add(read[j])
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -33,6 +33,16 @@ func (r *rangeLog) FetchRange(ctx context.Context, desc ocispec.Descriptor, off,
 	return io.NopCloser(bytes.NewReader(data[off : off+n])), nil
 }
 
+// eventually polls cond until it holds, failing the test after hangLimit.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(hangLimit); !cond(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not after %s", what, hangLimit)
+		}
+	}
+}
+
 // packedChunks returns n raw chunks of size bytes, the frames of one
 // pack, in order, and the pack.
 func packedChunks(seed uint64, n, size int) ([]format.Chunk, blobs) {
@@ -68,17 +78,11 @@ func TestReadReadsAhead(t *testing.T) {
 	rest := s.Prefetch(cs[1:])
 	read := make(chan result, 1)
 	go func() { data, err := s.Get(ctx, cs[10], nil, Read); read <- result{data, err} }()
-	for deadline := time.Now().Add(hangLimit); ; time.Sleep(time.Millisecond) {
+	eventually(t, "the read queued", func() bool {
 		s.mu.Lock()
-		queued := len(s.queues[Read])
-		s.mu.Unlock()
-		if queued == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the read never queued")
-		}
-	}
+		defer s.mu.Unlock()
+		return len(s.queues[Read]) == 1
+	})
 	store.open()
 	if r := wait(t, read, "read"); r.err != nil || !bytes.Equal(r.data, b[cs[0].Blob][cs[10].PackOffset:cs[10].PackOffset+size]) {
 		t.Fatalf("read: %v", r.err)
@@ -123,18 +127,13 @@ func TestFaultBringsItsNeighbours(t *testing.T) {
 	if err != nil || !bytes.Equal(data, b[cs[0].Blob][cs[10].PackOffset:cs[10].PackOffset+size]) {
 		t.Fatalf("fault: %v", err)
 	}
-	for deadline := time.Now().Add(hangLimit); ; time.Sleep(time.Millisecond) {
+	eventually(t, "the neighbours in the node cache", func() bool {
 		all := true
 		for _, x := range near {
 			all = all && c.Has(x.Digest)
 		}
-		if all {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the neighbours never reached the node cache")
-		}
-	}
+		return all
+	})
 	store.mu.Lock()
 	defer store.mu.Unlock()
 	want := [][2]int64{{cs[10].PackOffset, 22 * size}, {0, 10 * size}}
@@ -266,17 +265,11 @@ func TestLoneFaultMovesItsChunk(t *testing.T) {
 	rest := s.Prefetch(cs[1:])
 	fault := make(chan result, 1)
 	go func() { s.WantNear(cs[10:11], nil); d, err := s.Get(ctx, cs[10], nil, Fault); fault <- result{d, err} }()
-	for deadline := time.Now().Add(hangLimit); ; time.Sleep(time.Millisecond) {
+	eventually(t, "the fault taken", func() bool {
 		s.mu.Lock()
-		taken := s.active[Fault] > 0
-		s.mu.Unlock()
-		if taken {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the fault was never taken")
-		}
-	}
+		defer s.mu.Unlock()
+		return s.active[Fault] > 0
+	})
 	store.open()
 	if r := wait(t, fault, "fault"); r.err != nil {
 		t.Fatal(r.err)
