@@ -974,14 +974,16 @@ func (m *Mount) Digest() digest.Digest { return m.l.src.Index.Digest }
 func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 
 // observeFUSE is told of every FUSE read of a lazy file: it records the
-// working set, and a page fault's read of pages.img (shorter than
-// imagefs.FaultBelow, as imagefs serves it) tells the scheduler the
-// sandbox runs.
-func (m *Mount) observeFUSE(path string, off, n int64) {
-	m.rec.Read(path, off, n)
+// working set and reports whether the sandbox waits on the read (not
+// pages.img's background sweep: profile.Classifier), and a page fault's
+// read of pages.img (shorter than imagefs.FaultBelow) tells the scheduler
+// the sandbox runs.
+func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
+	waited = m.rec.Read(path, off, n)
 	if path == format.PagesFile && n < imagefs.FaultBelow {
 		m.sandboxFaulted()
 	}
+	return waited
 }
 
 // sandboxFaulted tells the load's scheduler that the sandbox runs.

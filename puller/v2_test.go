@@ -263,3 +263,63 @@ func TestV2RegistryOutageMidLoad(t *testing.T) {
 		t.Fatal("pages.img differs")
 	}
 }
+
+// TestFUSEFaultWindowReadServedFirst: gVisor reads a faulting window in
+// pieces as large as its sweep's (256 KiB), so through FUSE only the
+// sweep classifier (profile.Classifier) tells them apart. A 256 KiB read
+// far ahead of the sweep is fetched at page-fault priority, the sweep's
+// reads at read priority; before, every read of 256 KiB waited behind the
+// sweep's.
+func TestFUSEFaultWindowReadServedFirst(t *testing.T) {
+	needFUSE(t)
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 48<<20, 12)
+	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
+	// Slow requests and one worker: the background load is far from the
+	// end of the file when the far read comes.
+	r.set(func(r *reg) { r.delay = 100 * time.Millisecond })
+	m := mount(t, newPuller(t, Options{KeepFetchLog: true, Workers: 1}), s)
+	f, err := os.Open(filepath.Join(m.Dir(), format.PagesFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const piece = 256 << 10
+	buf := make([]byte, piece)
+	read := func(off int64) {
+		t.Helper()
+		if _, err := f.ReadAt(buf, off); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(buf, want[off:off+piece]) {
+			t.Fatalf("bytes at %d differ", off)
+		}
+	}
+	for off := int64(0); off < 4*piece; off += piece {
+		read(off) // the sweep
+	}
+	far := int64(len(want)) - 2*piece
+	read(far)
+	r.set(func(r *reg) { r.delay = 0 })
+	chunks := snapshotChunksOf(t, s, format.PagesFile)
+	prio := func(off int64) fetch.Priority {
+		t.Helper()
+		for _, c := range chunks {
+			if c.Offset <= off && off < c.End() {
+				for _, e := range m.FetchLog() {
+					if e.Digest == c.Digest {
+						return e.Priority
+					}
+				}
+			}
+		}
+		t.Fatalf("no fetch of the chunk at %d", off)
+		return 0
+	}
+	if p := prio(far); p != fetch.Fault {
+		t.Errorf("the read far ahead of the sweep was fetched at %v, want %v", p, fetch.Fault)
+	}
+	if p := prio(2 * piece); p == fetch.Fault {
+		t.Errorf("a sweep read was fetched at %v, taken for a page fault", p)
+	}
+}

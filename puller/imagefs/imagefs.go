@@ -63,8 +63,9 @@ type File struct {
 }
 
 // Sources supply the chunks a read needs that the node cache does not
-// hold: a page fault's (a read shorter than FaultBelow) from Fault, the
-// background loader's from Read (a fetch scheduler at those priorities).
+// hold: a page fault's (a read shorter than FaultBelow, or one the FS's
+// observer says the sandbox waits on) from Fault, the background
+// loader's from Read (a fetch scheduler at those priorities).
 // The bytes they return may be shared with other readers: imagefs copies
 // them out and never writes into them.
 type Sources struct {
@@ -98,8 +99,10 @@ type FS struct {
 	// and duration (where a restore's milliseconds go).
 	readLog io.Writer
 	// observe, if set, is told of every read, in the order they come
-	// (to record a working set: profile.Recorder.Read).
-	observe func(path string, off, n int64)
+	// (to record a working set: profile.Recorder.Read), and reports
+	// whether the sandbox waits on it: such a read is served as a page
+	// fault's, whatever its size.
+	observe func(path string, off, n int64) (waited bool)
 }
 
 var (
@@ -144,8 +147,9 @@ func dirAttr(out *fuse.AttrOut) syscall.Errno {
 // New returns the root of a filesystem holding files, whose lazy chunks are
 // read from c or, on a miss, from src. readLog, if not nil, gets a line per
 // read; observe, if not nil, is told of every read of a lazy file, in the
-// order they come.
-func New(files []File, c *cache.Store, src Sources, stats *Stats, readLog io.Writer, observe func(path string, off, n int64)) *FS {
+// order they come, and reports whether the sandbox waits on it (served
+// from src.Fault, as a read shorter than FaultBelow is).
+func New(files []File, c *cache.Store, src Sources, stats *Stats, readLog io.Writer, observe func(path string, off, n int64) (waited bool)) *FS {
 	return &FS{files: files, cache: c, src: src, stats: stats, readLog: readLog, observe: observe}
 }
 
@@ -221,11 +225,13 @@ func (n *fileNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 	if off >= n.file.Size {
 		return fuse.ReadResultData(nil), 0
 	}
-	if n.fs.observe != nil && n.file.Data == nil {
-		n.fs.observe(n.file.Path, off, min(int64(len(dest)), n.file.Size-off))
+	waited := len(dest) < FaultBelow
+	if n.fs.observe != nil && n.file.Data == nil && n.fs.observe(n.file.Path, off, min(int64(len(dest)), n.file.Size-off)) {
+		// gVisor's reads of a faulting window are as large as its sweep's.
+		waited = true
 	}
 	src := n.fs.src.Read
-	if len(dest) < FaultBelow {
+	if waited {
 		src = n.fs.src.Fault
 	}
 	dest = dest[:min(int64(len(dest)), n.file.Size-off)]

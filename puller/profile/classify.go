@@ -19,11 +19,17 @@ import (
 // it: its bytes come next anyway). Such a read moves the frontier only
 // if it skipped at most MaxHole bytes and the next read taken for the
 // sweep continues it: then it was the sweep past freed pages, not a fault
-// just ahead of it. Any other read
-// is a fault. Freed ranges of more than SweepGap at once leave the rest
-// of the sweep classified as faults: served first, newest first, with
-// the app's real faults among them. Reads must be classified in the
-// order the sentry submits them. It is not safe for concurrent use.
+// just ahead of it. A read that starts in a hole the frontier moved
+// past is the sweep's too: the sentry never asks behind its sweep (it
+// sweeps the pages nobody has started to load, in file order), so such a
+// read is one of the sweep's that arrived after the reads that followed
+// it (FUSE hands the sentry's parallel reads over in any order). Any
+// other read is a fault. Freed ranges of more than SweepGap at once leave
+// the rest of the sweep classified as faults: served first, newest first,
+// with the app's real faults among them. Reads should be classified in
+// the order the sentry submits them; reads that arrive a little out of
+// order (up to MaxHole past a late one) are told apart as well. It is not
+// safe for concurrent use.
 type Classifier struct {
 	// frontier is where the sweep's next read starts: the end of its last
 	// read, moved past what was asked for since.
@@ -32,7 +38,14 @@ type Classifier struct {
 	lastRead int64
 	// asked are the ranges asked for, sorted, disjoint, not adjacent.
 	asked []span
+	// holes are the last MaxHoles ranges the frontier moved past unasked,
+	// oldest first: freed pages, or sweep reads still to arrive.
+	holes []span
 }
+
+// MaxHoles is how many of the holes the frontier moved past a Classifier
+// remembers, to take a late read of one for the sweep's.
+const MaxHoles = 256
 
 // SweepGap is how many bytes nobody asked for the sweep may skip (pages
 // freed before they were loaded) and still be taken for the sweep.
@@ -51,6 +64,9 @@ func (c *Classifier) Classify(off, n int64) fetch.Priority {
 	gap := int64(-1)
 	if off >= c.frontier {
 		gap = c.unasked(c.frontier, off)
+	} else if c.fillHole(off, off+n) {
+		c.add(off, off+n)
+		return fetch.Read
 	}
 	c.add(off, off+n)
 	switch {
@@ -65,6 +81,7 @@ func (c *Classifier) Classify(off, n int64) fetch.Priority {
 		// fault if this one was a fault.
 		prio = fetch.Read
 		if off == c.lastRead && gap <= MaxHole {
+			c.addHoles(c.frontier, off)
 			c.frontier = off + n
 		}
 		c.lastRead = off + n
@@ -90,6 +107,48 @@ func (c *Classifier) unasked(from, to int64) int64 {
 		from = c.asked[i].end
 	}
 	return n
+}
+
+// addHoles remembers the unasked ranges of [from, to), which the
+// frontier is moving past.
+func (c *Classifier) addHoles(from, to int64) {
+	for i := c.find(from); from < to; i++ {
+		end := to
+		if i < len(c.asked) && c.asked[i].start < to {
+			end = c.asked[i].start
+		}
+		if end > from {
+			c.holes = append(c.holes, span{from, end})
+		}
+		if i == len(c.asked) || c.asked[i].start >= to {
+			break
+		}
+		from = c.asked[i].end
+	}
+	if over := len(c.holes) - MaxHoles; over > 0 {
+		c.holes = slices.Delete(c.holes, 0, over)
+	}
+}
+
+// fillHole reports whether [start, end) starts in a hole the frontier
+// moved past, and takes what it covers out of it.
+func (c *Classifier) fillHole(start, end int64) bool {
+	for i := len(c.holes) - 1; i >= 0; i-- {
+		h := c.holes[i]
+		if start < h.start || start >= h.end {
+			continue
+		}
+		var rest []span
+		if h.start < start {
+			rest = append(rest, span{h.start, start})
+		}
+		if end < h.end {
+			rest = append(rest, span{end, h.end})
+		}
+		c.holes = slices.Replace(c.holes, i, i+1, rest...)
+		return true
+	}
+	return false
 }
 
 // find returns the index of the first span ending after off.

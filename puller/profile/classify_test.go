@@ -1,6 +1,7 @@
 package profile
 
 import (
+	"math/rand/v2"
 	"testing"
 
 	"github.com/cryo-oci/cryo/puller/fetch"
@@ -99,5 +100,43 @@ func TestClassifierWindowAheadOfSweep(t *testing.T) {
 	}
 	if got := c.Classify(13*mib, mib); got != fetch.Read {
 		t.Errorf("sweep read past the window: %v, want read", got)
+	}
+}
+
+// TestClassifierSweepOutOfOrder: through FUSE the sentry's parallel sweep
+// reads arrive a few reads out of order. A read that comes after the two
+// that follow it is still the sweep's: before, the frontier moved past it
+// (the sweep going on past a hole) and it was taken for a fault, about one
+// sweep read in twelve in a real restore. The app's faults far ahead stay
+// faults.
+func TestClassifierSweepOutOfOrder(t *testing.T) {
+	const piece = 256 << 10
+	mib := int64(1 << 20)
+	rng := rand.New(rand.NewPCG(1, 2))
+	var c Classifier
+	var sweep []int64
+	for off := int64(0); off < 256*mib; off += piece {
+		sweep = append(sweep, off)
+	}
+	// Each read moves up to 6 places from where the sentry submitted it.
+	for i := range sweep {
+		j := min(len(sweep)-1, i+rng.IntN(7))
+		sweep[i], sweep[j] = sweep[j], sweep[i]
+	}
+	faults := map[int64]bool{}
+	for i, off := range sweep {
+		if i%100 == 50 {
+			// A fault window far ahead of the sweep, two reads long.
+			f := 600*mib + int64(i)*mib
+			for _, o := range []int64{f, f + piece} {
+				faults[o] = true
+				if got := c.Classify(o, piece); got != fetch.Fault {
+					t.Errorf("fault at %d: %v, want fault", o, got)
+				}
+			}
+		}
+		if got := c.Classify(off, piece); got != fetch.Read {
+			t.Errorf("sweep read %d at %d KiB: %v, want read", i, off>>10, got)
+		}
 	}
 }

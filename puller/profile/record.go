@@ -64,15 +64,17 @@ func (r *Recorder) Waited(path string, off, n int64) {
 // Read records a read of n bytes at off of path whose kind the presenter
 // does not know, in the order the sandbox submitted it (FUSE): a read of
 // pages.img is recorded only if it is not the background sweep's
-// (Classifier).
-func (r *Recorder) Read(path string, off, n int64) {
+// (Classifier). It reports whether the sandbox waits on the read: any
+// read but the sweep's, which the presenter then serves first.
+func (r *Recorder) Read(path string, off, n int64) (waited bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if path == format.PagesFile && r.sweep.Classify(off, n) != fetch.Fault {
 		r.startClock(r.now())
-		return
+		return false
 	}
 	r.record(path, off, n, r.now())
+	return true
 }
 
 // Swept notes a read of pages.img that is the background sweep's: it
