@@ -500,16 +500,18 @@ var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c
 // fetchAll prefetches every chunk of the given files, the prefetch list's
 // first, the rest in file and offset order, and waits for them.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
-	var pending []*fetch.Pending
 	var held []format.Chunk
 	// In file and offset order: the profile's chunks, queued first at
-	// their own priority (prepare), are already on their way.
-	for _, c := range inOrder(l.chunks, files) {
-		if c.Encoding != format.EncodingZero && !l.p.cache.Has(c.Digest) {
-			if ps := l.sched.Prefetch([]format.Chunk{c}); len(ps) > 0 {
-				pending = append(pending, ps[0])
-				continue
-			}
+	// their own priority (prepare), are already on their way. Prefetch
+	// returns the fetches of the chunks it queued in their order; the
+	// others are zero or held by the node cache.
+	all := inOrder(l.chunks, files)
+	pending := l.sched.Prefetch(all)
+	next := 0
+	for _, c := range all {
+		if c.Encoding != format.EncodingZero && next < len(pending) && pending[next].Chunk().Digest == c.Digest {
+			next++
+			continue
 		}
 		if c.Encoding != format.EncodingZero {
 			held = append(held, c)

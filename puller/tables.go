@@ -61,8 +61,16 @@ type partTable struct {
 	lastErr error
 }
 
-// backgroundTableLoads is how many parts' tables a background loads at once.
-const backgroundTableLoads = 4
+// backgroundTableLoads is how many parts' tables a background loads at
+// once: one, so that decoding them (35,000 chunks for 2 GiB in format v2,
+// about 150 ms of CPU) takes at most one core from a sandbox whose runsc
+// restore runs meanwhile; four at once took both cores of two
+// (docs/benchmarks.md). One at a time costs two round trips a part
+// before the background can queue its prefetches (about 1.3 s for the
+// 120 parts of 32 GiB at 5 ms), while the sandbox's own reads fetch what
+// it asks for; a read that waits for a part loads it at once, whatever
+// the background does.
+const backgroundTableLoads = 1
 
 // urgentTableLoads bounds the tables that reads waiting for them load at
 // once: page faults all over a large snapshot must not fetch (and hold) a

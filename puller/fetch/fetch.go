@@ -243,6 +243,11 @@ type Scheduler struct {
 	// frame waits for one.
 	backgroundCPU chan struct{}
 	yielding      func()
+	// faultEnded is when the last page fault's fetch ended: the
+	// background yields for FaultQuiet after it, by the clock now
+	// (time.Now; tests set their own).
+	faultEnded time.Time
+	now        func() time.Time
 
 	wg sync.WaitGroup
 }
@@ -334,7 +339,7 @@ func newWithStore(endpoints []Endpoint, c chunkStore, codec *format.Codec, opts 
 		opts.BackgroundCPU = max(1, runtime.GOMAXPROCS(0)-1)
 	}
 	s := &Scheduler{endpoints: endpoints, cache: c, codec: codec, opts: opts, calls: map[key]*call{}, byFrame: map[frame]*call{},
-		backgroundCPU: make(chan struct{}, opts.BackgroundCPU)}
+		backgroundCPU: make(chan struct{}, opts.BackgroundCPU), now: time.Now}
 	s.w = newWriter(c.PutVerifiedRun, opts.Writers, opts.WriteBuffer, opts.Metrics)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.cond = sync.NewCond(&s.mu)
@@ -462,13 +467,23 @@ func (s *Scheduler) FetchProfile(chunks []format.Chunk) []*Pending {
 	return s.queue(chunks, Profile)
 }
 
+// queue queues chunks at prio and returns the fetches, in the order of
+// chunks, of those neither zero nor cached. It queues them all under one
+// hold of s.mu: a load queues every chunk of a snapshot at once (35,000
+// of format v2's for 2 GiB), and one lock and wake-up per chunk took
+// 0.5 s of CPU from a restoring sandbox.
 func (s *Scheduler) queue(chunks []format.Chunk, prio Priority) []*Pending {
-	var out []*Pending
+	todo := make([]format.Chunk, 0, len(chunks))
 	for _, c := range chunks {
-		if c.Encoding == format.EncodingZero || s.cache.Has(c.Digest) {
-			continue
+		if c.Encoding != format.EncodingZero && !s.cache.Has(c.Digest) {
+			todo = append(todo, c)
 		}
-		cl, err := s.enqueue(c, prio)
+	}
+	out := make([]*Pending, 0, len(todo))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range todo {
+		cl, err := s.enqueueLocked(c, prio, prio.isDemand())
 		if err != nil {
 			break
 		}
@@ -900,6 +915,9 @@ func (s *Scheduler) runCall(cl *call, prio Priority) {
 	// The priority it ran at: a call run again (requeue) may have been
 	// promoted since.
 	s.active[prio]--
+	if prio == Fault {
+		s.faultEnded = s.now()
+	}
 	s.cond.Broadcast() // lower priorities may run now
 	s.mu.Unlock()
 }
@@ -1372,17 +1390,24 @@ func (s *Scheduler) readFrame(r *rangeBuffer, c format.Chunk, yield bool) ([]byt
 	return s.codec.Decode(c, frame, nil)
 }
 
+// FaultQuiet is how long after a page fault's fetch the background still
+// yields the CPU (Options.BackgroundCPU): an application's faults come
+// in bursts, 10-50 ms of its own work apart, and that work needs a core
+// as much as the faults' fetches do (docs/benchmarks.md).
+const FaultQuiet = 100 * time.Millisecond
+
 // yields reports whether call cl's frame waits for a token of
 // Options.BackgroundCPU before it is verified: page faults are being
-// fetched (queued or running), and cl is not one of them nor, once the
-// sandbox runs, a profile's chunk (the urgent fetches of next).
+// fetched (queued or running) or one ended less than FaultQuiet ago, and
+// cl is not one of them nor, once the sandbox runs, a profile's chunk
+// (the urgent fetches of next).
 func (s *Scheduler) yields(cl *call) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if cl.want == Fault || s.running && cl.want == Profile {
 		return false
 	}
-	return s.active[Fault] > 0 || len(s.queues[Fault]) > 0
+	return s.active[Fault] > 0 || len(s.queues[Fault]) > 0 || s.now().Sub(s.faultEnded) < FaultQuiet
 }
 
 // requeue puts started call cl back in its queue, to be run again, unless

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -285,5 +286,54 @@ func TestLoneFaultMovesItsChunk(t *testing.T) {
 		if r[0] == cs[10].PackOffset && r[1] != size {
 			t.Errorf("the fault's range request: %d bytes, want its own frame's %d (ranges asked: %v)", r[1], size, store.ranges)
 		}
+	}
+}
+
+// TestBackgroundYieldsAfterAFault: the background goes on yielding the
+// CPU for FaultQuiet after a page fault's fetch ended (the application
+// works between its faults), and not after that.
+func TestBackgroundYieldsAfterAFault(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	faulted, fb := packedChunks(3, 1, size)
+	read, rb := packedChunks(4, 2, size)
+	late, lb := packedChunks(5, 2, size)
+	all := blobs{}
+	for _, m := range []blobs{fb, rb, lb} {
+		for d, p := range m {
+			all[d] = p
+		}
+	}
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: &packGate{blobs: all}}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
+	var clock atomic.Int64 // nanoseconds past t0
+	t0 := time.Now()
+	s.now = func() time.Time { return t0.Add(time.Duration(clock.Load())) }
+	var yields atomic.Int64
+	s.yielding = func() { yields.Add(1) }
+	ctx := context.Background()
+	if _, err := s.Get(ctx, faulted[0], nil, Fault); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the fault's fetch to end", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.active[Fault] == 0
+	})
+	clock.Store(int64(FaultQuiet / 2))
+	s.Want(read, Read)
+	if _, err := s.Get(ctx, read[0], nil, Read); err != nil {
+		t.Fatal(err)
+	}
+	if yields.Load() == 0 {
+		t.Errorf("a read %v after a fault did not yield", FaultQuiet/2)
+	}
+	clock.Store(int64(2 * FaultQuiet))
+	before := yields.Load()
+	s.Want(late, Read)
+	if _, err := s.Get(ctx, late[0], nil, Read); err != nil {
+		t.Fatal(err)
+	}
+	if n := yields.Load() - before; n != 0 {
+		t.Errorf("a read %v after a fault yielded %d times", 2*FaultQuiet, n)
 	}
 }
