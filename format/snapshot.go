@@ -250,6 +250,28 @@ type PartTable struct {
 // LoadPart fetches, verifies and validates the manifest and chunk table of
 // one part of f. Nothing of other files or parts is read.
 func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*PartTable, error) {
+	fp, err := FetchPart(ctx, src, f, part)
+	if err != nil {
+		return nil, err
+	}
+	return fp.Decode()
+}
+
+// FetchedPart is one part's manifest, decoded and checked, and its chunk
+// table as fetched and verified by digest, not yet decoded: LoadPart in
+// two steps, the fetch (the link's) and the decoding (the CPU's), for a
+// reader that bounds them apart.
+type FetchedPart struct {
+	f        *File
+	part     int
+	v        Version
+	manifest ocispec.Manifest
+	table    []byte
+}
+
+// FetchPart fetches part part of f's manifest and chunk table, verified
+// by digest (FetchedPart.Decode decodes and validates the table).
+func FetchPart(ctx context.Context, src content.Fetcher, f *File, part int) (*FetchedPart, error) {
 	v := f.Version
 	if v == 0 {
 		v = V1
@@ -276,7 +298,19 @@ func LoadPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Par
 	if err != nil {
 		return nil, fmt.Errorf("fetch chunk table of %q part %d: %w", f.Path, part, err)
 	}
-	if tdata, err = DecodeTableBlob(m.Config.MediaType, tdata); err != nil {
+	return &FetchedPart{f: f, part: part, v: v, manifest: m, table: tdata}, nil
+}
+
+// Decode decodes the part's chunk table and validates it against its
+// manifest and the snapshot index.
+func (fp *FetchedPart) Decode() (*PartTable, error) {
+	f, part, v, m := fp.f, fp.part, fp.v, fp.manifest
+	p := f.Parts[part]
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("manifest %s of %q part %d: %s: %w", p.Manifest.Digest, f.Path, part, fmt.Sprintf(format, args...), ErrInvalid)
+	}
+	tdata, err := DecodeTableBlob(m.Config.MediaType, fp.table)
+	if err != nil {
 		return nil, fmt.Errorf("chunk table of %q part %d: %w", f.Path, part, err)
 	}
 	parse := ParseTable

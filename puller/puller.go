@@ -979,7 +979,10 @@ func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 // working set and reports whether the sandbox waits on the read (not
 // pages.img's background sweep: profile.Classifier), and a page fault's
 // read of pages.img (shorter than imagefs.FaultBelow) tells the scheduler
-// the sandbox runs.
+// the sandbox runs. A longer read taken for a fault does not: through
+// FUSE the sweep's first reads arrive in any order, and some are taken
+// for faults while runsc restore, which waits on the sweep's reads,
+// still runs.
 func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	waited = m.rec.Read(path, off, n)
 	if path == format.PagesFile && n < imagefs.FaultBelow {

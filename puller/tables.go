@@ -19,7 +19,8 @@ import (
 // time. So a mount is ready, and serves its first reads, in a time that
 // does not grow with the snapshot's size (SPEC.md 13.4).
 //
-// A part's table is fetched from the load's endpoints (format.LoadPart:
+// A part's table is fetched from the load's endpoints (format.FetchPart and
+// Decode:
 // digests checked against the index, the table against its manifest and
 // the index). A fetch that fails is tried again, with backoff, until the
 // deadline of the read (or background load) waiting for it, so that a
@@ -43,6 +44,9 @@ type tables struct {
 	// starts none while urgent > 0, and at most backgroundTableLoads at
 	// once.
 	urgent, background int
+	// decoding holds a token while a background fetch decodes its table
+	// (backgroundTableDecodes).
+	decoding chan struct{}
 }
 
 // partTable is one part's table and its loading.
@@ -61,16 +65,16 @@ type partTable struct {
 	lastErr error
 }
 
-// backgroundTableLoads is how many parts' tables a background loads at
-// once: one, so that decoding them (35,000 chunks for 2 GiB in format v2,
-// about 150 ms of CPU) takes at most one core from a sandbox whose runsc
-// restore runs meanwhile; four at once took both cores of two
-// (docs/benchmarks.md). One at a time costs two round trips a part
-// before the background can queue its prefetches (about 1.3 s for the
-// 120 parts of 32 GiB at 5 ms), while the sandbox's own reads fetch what
-// it asks for; a read that waits for a part loads it at once, whatever
-// the background does.
-const backgroundTableLoads = 1
+// backgroundTableLoads is how many parts' tables a background fetches at
+// once.
+const backgroundTableLoads = 4
+
+// backgroundTableDecodes is how many of them decode at once: one, so that
+// decoding (35,000 chunks for 2 GiB in format v2, about 150 ms of CPU)
+// takes at most one core from a sandbox whose runsc restore runs
+// meanwhile; four at once took both cores of two (docs/benchmarks.md).
+// A table a read waits for decodes at once.
+const backgroundTableDecodes = 1
 
 // urgentTableLoads bounds the tables that reads waiting for them load at
 // once: page faults all over a large snapshot must not fetch (and hold) a
@@ -89,7 +93,8 @@ func newTables(ctx context.Context, src content.Fetcher, snap *format.Snapshot, 
 	if deadline <= 0 {
 		deadline = 5 * time.Minute
 	}
-	t := &tables{ctx: ctx, src: src, snap: snap, deadline: deadline, parts: make([][]*partTable, len(snap.Files))}
+	t := &tables{ctx: ctx, src: src, snap: snap, deadline: deadline, parts: make([][]*partTable, len(snap.Files)),
+		decoding: make(chan struct{}, backgroundTableDecodes)}
 	t.cond = sync.NewCond(&t.mu)
 	for i, f := range snap.Files {
 		t.parts[i] = make([]*partTable, len(f.Parts))
@@ -204,7 +209,7 @@ func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 			// download that stalls is tried again, and leaves its slot to
 			// others meanwhile.
 			actx, acancel := context.WithTimeout(ctx, tableFetchTimeout)
-			pt, err = format.LoadPart(actx, t.src, f, pi)
+			pt, err = t.loadPart(actx, f, pi, urgent)
 			acancel()
 		} else {
 			err = ctx.Err()
@@ -241,6 +246,25 @@ func (t *tables) load(fi, pi int, p *partTable, deadline time.Time) {
 		t.mu.Unlock()
 		return
 	}
+}
+
+// loadPart fetches and decodes part pi of f's table (format.LoadPart),
+// the decoding of a background load (not urgent) with a token of
+// t.decoding.
+func (t *tables) loadPart(ctx context.Context, f *format.File, pi int, urgent bool) (*format.PartTable, error) {
+	fp, err := format.FetchPart(ctx, t.src, f, pi)
+	if err != nil {
+		return nil, err
+	}
+	if !urgent {
+		select {
+		case t.decoding <- struct{}{}:
+			defer func() { <-t.decoding }()
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return fp.Decode()
 }
 
 // hurry starts loading the tables of file fi's parts, ahead of the

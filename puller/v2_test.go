@@ -273,7 +273,7 @@ func TestV2RegistryOutageMidLoad(t *testing.T) {
 func TestFUSEFaultWindowReadServedFirst(t *testing.T) {
 	needFUSE(t)
 	r := startReg(t)
-	src, s := pushV2(t, r, "app", synth.Random, 48<<20, 12)
+	src, s := pushV2(t, r, "app", synth.Random, 96<<20, 12)
 	want, _ := os.ReadFile(filepath.Join(src, "pages.img"))
 	// Slow requests and one worker: the background load is far from the
 	// end of the file when the far read comes.

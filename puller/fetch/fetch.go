@@ -161,7 +161,8 @@ const (
 	// its first page fault on: Scheduler.SandboxFaulted).
 	Profile
 	// Fault is a read the sandbox's application is blocked on (a page
-	// fault: a short read, see imagefs.FaultBelow), served newest first.
+	// fault: through FUSE a short read, see imagefs.FaultBelow, or one
+	// the sweep classifier takes for a fault), served newest first.
 	Fault
 	numPriorities
 )
@@ -451,8 +452,9 @@ func checkSize(c format.Chunk, data []byte) ([]byte, error) {
 }
 
 // Prefetch queues chunks for background fetching, in the order given,
-// behind any demand fetch. Chunks already cached, queued or zero are
-// skipped. Wait reports completion.
+// behind any demand fetch. It returns a fetch for every chunk neither
+// cached nor zero, in the order of chunks (a chunk already queued gets
+// the queued call's); Wait reports completion.
 func (s *Scheduler) Prefetch(chunks []format.Chunk) []*Pending {
 	return s.queue(chunks, Prefetch)
 }
@@ -467,11 +469,15 @@ func (s *Scheduler) FetchProfile(chunks []format.Chunk) []*Pending {
 	return s.queue(chunks, Profile)
 }
 
+// queueBatch is how many chunks queue queues under one hold of s.mu.
+const queueBatch = 1024
+
 // queue queues chunks at prio and returns the fetches, in the order of
-// chunks, of those neither zero nor cached. It queues them all under one
-// hold of s.mu: a load queues every chunk of a snapshot at once (35,000
-// of format v2's for 2 GiB), and one lock and wake-up per chunk took
-// 0.5 s of CPU from a restoring sandbox.
+// chunks, of those neither zero nor cached. A load queues every chunk of
+// a snapshot at once (35,000 of format v2's for 2 GiB), and one lock and
+// wake-up per chunk took 0.5 s of CPU from a restoring sandbox; all of
+// them under one lock would hold page faults up for 70-110 ms. So it
+// queues queueBatch at a time.
 func (s *Scheduler) queue(chunks []format.Chunk, prio Priority) []*Pending {
 	todo := make([]format.Chunk, 0, len(chunks))
 	for _, c := range chunks {
@@ -480,16 +486,29 @@ func (s *Scheduler) queue(chunks []format.Chunk, prio Priority) []*Pending {
 		}
 	}
 	out := make([]*Pending, 0, len(todo))
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, c := range todo {
-		cl, err := s.enqueueLocked(c, prio, prio.isDemand())
-		if err != nil {
+	for len(todo) > 0 {
+		batch := todo[:min(len(todo), queueBatch)]
+		todo = todo[len(batch):]
+		if !s.queueLocked(batch, prio, &out) {
 			break
 		}
-		out = append(out, &Pending{c: cl})
 	}
 	return out
+}
+
+// queueLocked queues chunks at prio under one hold of s.mu, appending
+// their fetches to out; it reports false once the scheduler is closed.
+func (s *Scheduler) queueLocked(chunks []format.Chunk, prio Priority, out *[]*Pending) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range chunks {
+		cl, err := s.enqueueLocked(c, prio, prio.isDemand())
+		if err != nil {
+			return false
+		}
+		*out = append(*out, &Pending{c: cl})
+	}
+	return true
 }
 
 // Want queues, at priority prio (Read or Fault), the fetches of the chunks

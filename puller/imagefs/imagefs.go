@@ -74,9 +74,9 @@ type Sources struct {
 
 // FaultBelow: a read of a lazy file shorter than this is taken for a page
 // fault, a read the application is blocked on (fetch.Fault); longer ones
-// for the background loader's (fetch.Read). gVisor's background loader
-// reads pages.img in pieces of exactly 256 KiB; a page fault reads just
-// the faulted range.
+// are too if the FS's observer says so (the sweep classifier: gVisor
+// reads a faulting window in pieces of 256 KiB, as its background sweep
+// does), else they are the background loader's (fetch.Read).
 const FaultBelow = 256 << 10
 
 // Stats count what the filesystem served.

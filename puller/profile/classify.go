@@ -20,11 +20,13 @@ import (
 // if it skipped at most MaxHole bytes and the next read taken for the
 // sweep continues it: then it was the sweep past freed pages, not a fault
 // just ahead of it. A read that starts in a hole the frontier moved
-// past is the sweep's too: the sentry never asks behind its sweep (it
-// sweeps the pages nobody has started to load, in file order), so such a
-// read is one of the sweep's that arrived after the reads that followed
-// it (FUSE hands the sentry's parallel reads over in any order). Any
-// other read is a fault. Freed ranges of more than SweepGap at once leave
+// past is the sweep's too: the sentry's sweep passes only pages that are
+// loading, loaded or freed (it sweeps the pages nobody has started to
+// load, in file order), so such a read is one of the sweep's that arrived
+// after the reads that followed it (FUSE hands the sentry's parallel
+// reads over in any order), or, rarely, a fault in a gap of at most
+// MaxHole that the frontier took for freed pages. Any other read is a
+// fault. Freed ranges of more than SweepGap at once leave
 // the rest of the sweep classified as faults: served first, newest first,
 // with the app's real faults among them. Reads should be classified in
 // the order the sentry submits them; reads that arrive a little out of
@@ -146,6 +148,9 @@ func (c *Classifier) fillHole(start, end int64) bool {
 			rest = append(rest, span{end, h.end})
 		}
 		c.holes = slices.Replace(c.holes, i, i+1, rest...)
+		if over := len(c.holes) - MaxHoles; over > 0 {
+			c.holes = slices.Delete(c.holes, 0, over)
+		}
 		return true
 	}
 	return false

@@ -118,7 +118,8 @@ func TestClassifierSweepOutOfOrder(t *testing.T) {
 	for off := int64(0); off < 256*mib; off += piece {
 		sweep = append(sweep, off)
 	}
-	// Each read moves up to 6 places from where the sentry submitted it.
+	// Each read swaps with one up to 6 places after it (a read swapped on
+	// again can end up further).
 	for i := range sweep {
 		j := min(len(sweep)-1, i+rng.IntN(7))
 		sweep[i], sweep[j] = sweep[j], sweep[i]
