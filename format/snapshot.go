@@ -285,9 +285,7 @@ func FetchPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Fe
 	if err := strictUnmarshal(mdata, &m); err != nil {
 		return nil, fmt.Errorf("decode manifest %s of %q: %v: %w", p.Manifest.Digest, f.Path, err, ErrInvalid)
 	}
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("manifest %s of %q part %d: %s: %w", p.Manifest.Digest, f.Path, part, fmt.Sprintf(format, args...), ErrInvalid)
-	}
+	bad := func(format string, args ...any) error { return invalidPart(f, part, format, args...) }
 	if m.SchemaVersion != 2 || m.MediaType != ocispec.MediaTypeImageManifest || m.ArtifactType != v.fileArtifactType() {
 		return nil, bad("schemaVersion %d mediaType %q artifactType %q", m.SchemaVersion, m.MediaType, m.ArtifactType)
 	}
@@ -301,14 +299,17 @@ func FetchPart(ctx context.Context, src content.Fetcher, f *File, part int) (*Fe
 	return &FetchedPart{f: f, part: part, v: v, manifest: m, table: tdata}, nil
 }
 
+// invalidPart is an ErrInvalid error about part part of f's manifest.
+func invalidPart(f *File, part int, format string, args ...any) error {
+	return fmt.Errorf("manifest %s of %q part %d: %s: %w", f.Parts[part].Manifest.Digest, f.Path, part, fmt.Sprintf(format, args...), ErrInvalid)
+}
+
 // Decode decodes the part's chunk table and validates it against its
 // manifest and the snapshot index.
 func (fp *FetchedPart) Decode() (*PartTable, error) {
 	f, part, v, m := fp.f, fp.part, fp.v, fp.manifest
 	p := f.Parts[part]
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("manifest %s of %q part %d: %s: %w", p.Manifest.Digest, f.Path, part, fmt.Sprintf(format, args...), ErrInvalid)
-	}
+	bad := func(format string, args ...any) error { return invalidPart(f, part, format, args...) }
 	tdata, err := DecodeTableBlob(m.Config.MediaType, fp.table)
 	if err != nil {
 		return nil, fmt.Errorf("chunk table of %q part %d: %w", f.Path, part, err)

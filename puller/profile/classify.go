@@ -95,38 +95,47 @@ func (c *Classifier) Classify(off, n int64) fetch.Priority {
 	return prio
 }
 
+// gaps calls f with each range of [from, to) nobody asked for, in order,
+// until f returns false.
+func (c *Classifier) gaps(from, to int64, f func(g span) bool) {
+	for i := c.find(from); from < to; i++ {
+		end := to
+		if i < len(c.asked) && c.asked[i].start < to {
+			end = c.asked[i].start
+		}
+		if end > from && !f(span{from, end}) {
+			return
+		}
+		if i == len(c.asked) || c.asked[i].start >= to {
+			return
+		}
+		from = c.asked[i].end
+	}
+}
+
 // unasked returns how many bytes of [from, to) nobody asked for, counting
 // at most SweepGap+1.
 func (c *Classifier) unasked(from, to int64) int64 {
 	var n int64
-	for i := c.find(from); from < to && n <= SweepGap; i++ {
-		if i == len(c.asked) || c.asked[i].start >= to {
-			return n + (to - from)
-		}
-		if c.asked[i].start > from {
-			n += c.asked[i].start - from
-		}
-		from = c.asked[i].end
-	}
+	c.gaps(from, to, func(g span) bool {
+		n += g.end - g.start
+		return n <= SweepGap
+	})
 	return n
 }
 
 // addHoles remembers the unasked ranges of [from, to), which the
 // frontier is moving past.
 func (c *Classifier) addHoles(from, to int64) {
-	for i := c.find(from); from < to; i++ {
-		end := to
-		if i < len(c.asked) && c.asked[i].start < to {
-			end = c.asked[i].start
-		}
-		if end > from {
-			c.holes = append(c.holes, span{from, end})
-		}
-		if i == len(c.asked) || c.asked[i].start >= to {
-			break
-		}
-		from = c.asked[i].end
-	}
+	c.gaps(from, to, func(g span) bool {
+		c.holes = append(c.holes, g)
+		return true
+	})
+	c.trimHoles()
+}
+
+// trimHoles keeps the last MaxHoles holes.
+func (c *Classifier) trimHoles() {
 	if over := len(c.holes) - MaxHoles; over > 0 {
 		c.holes = slices.Delete(c.holes, 0, over)
 	}
@@ -148,9 +157,7 @@ func (c *Classifier) fillHole(start, end int64) bool {
 			rest = append(rest, span{end, h.end})
 		}
 		c.holes = slices.Replace(c.holes, i, i+1, rest...)
-		if over := len(c.holes) - MaxHoles; over > 0 {
-			c.holes = slices.Delete(c.holes, 0, over)
-		}
+		c.trimHoles()
 		return true
 	}
 	return false
