@@ -271,8 +271,14 @@ type load struct {
 	chunks [][]format.Chunk
 	// prepared is closed once prepareTables has set chunks and pinned.
 	prepared chan struct{}
-	sched    *fetch.Scheduler
-	pinned   []digest.Digest
+	// awaitSandbox, if positive, holds the background fetches past
+	// pages.img's lead until sandboxRead is closed (at a sandbox's first
+	// read of pages.img) or for that long (MountOptions.AwaitSandbox).
+	awaitSandbox time.Duration
+	sandboxRead  chan struct{}
+	sandboxOnce  sync.Once
+	sched        *fetch.Scheduler
+	pinned       []digest.Digest
 	// asm is the snapshot's image dir the chunks are written into as they
 	// come (cache.Assemble), committed as its materialized dir at the end.
 	asm *cache.Assembly
@@ -293,7 +299,7 @@ func (p *Puller) newLoad(ctx context.Context, src Source, start time.Time) (*loa
 		return nil, err
 	}
 	p.cache.PinImage(src.Index.Digest)
-	return &load{p: p, src: src, snap: snap, start: start, total: snap.LogicalSize(), prepared: make(chan struct{})}, nil
+	return &load{p: p, src: src, snap: snap, start: start, total: snap.LogicalSize(), prepared: make(chan struct{}), sandboxRead: make(chan struct{})}, nil
 }
 
 // prepare loads every chunk table, pins every stored chunk in the node
@@ -501,22 +507,35 @@ var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c
 // first, the rest in file and offset order, and waits for them.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
 	var held []format.Chunk
+	var pending []*fetch.Pending
 	// In file and offset order: the profile's chunks, queued first at
-	// their own priority (prepare), are already on their way. Prefetch
-	// returns the fetches of the chunks it queued in their order; the
-	// others are zero or held by the node cache.
-	all := inOrder(l.chunks, files)
-	pending := l.sched.Prefetch(all)
-	next := 0
-	for _, c := range all {
-		if c.Encoding != format.EncodingZero && next < len(pending) && pending[next].Chunk().Digest == c.Digest {
-			next++
-			continue
+	// their own priority (prepare), are already on their way. With
+	// awaitSandbox, pages.img's lead goes first and the rest waits for
+	// the sandbox (waitSandbox).
+	batches := [][]format.Chunk{inOrder(l.chunks, files)}
+	if l.awaitSandbox > 0 {
+		lead, rest := splitLead(l.snap, l.chunks, files)
+		batches = [][]format.Chunk{lead, rest}
+	}
+	for i, all := range batches {
+		if i > 0 {
+			l.waitSandbox(ctx)
 		}
-		if c.Encoding != format.EncodingZero {
-			held = append(held, c)
+		// Prefetch returns the fetches of the chunks it queued in their
+		// order; the others are zero or held by the node cache.
+		queued := l.sched.Prefetch(all)
+		next := 0
+		for _, c := range all {
+			if c.Encoding != format.EncodingZero && next < len(queued) && queued[next].Chunk().Digest == c.Digest {
+				next++
+				continue
+			}
+			if c.Encoding != format.EncodingZero {
+				held = append(held, c)
+			}
+			l.local.Add(c.Size)
 		}
-		l.local.Add(c.Size)
+		pending = append(pending, queued...)
 	}
 	// Chunks held in another image dir (or a chunk file) are copied into
 	// this one while the fetches queued above run, so that the commit
@@ -535,6 +554,50 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 	}
 	return nil
 }
+
+// AwaitRestore is the MountOptions.AwaitSandbox of a mount a sandbox is
+// restored from at once (cryo restore, the standalone gofer): runsc
+// restore reaches its first read of pages.img 0.2-0.5 s after the mount
+// is ready on an idle node.
+const AwaitRestore = 2 * time.Second
+
+// sandboxLead is how much of pages.img a load held for its sandbox
+// (MountOptions.AwaitSandbox) fetches at once: what gVisor's loader reads
+// first, which runsc restore waits on (16 reads of 1 MiB in flight through
+// cryo's gofer; FUSE: 128 of 256 KiB).
+const sandboxLead = 32 << 20
+
+// splitLead lists every chunk of the given files (indexes) in file and
+// offset order, as inOrder, split in two: the chunks of pages.img's first
+// sandboxLead bytes, and all others.
+func splitLead(snap *format.Snapshot, chunks [][]format.Chunk, files []int) (lead, rest []format.Chunk) {
+	for _, fi := range files {
+		for _, c := range chunks[fi] {
+			if snap.Files[fi].Path == format.PagesFile && c.Offset < sandboxLead {
+				lead = append(lead, c)
+			} else {
+				rest = append(rest, c)
+			}
+		}
+	}
+	return lead, rest
+}
+
+// waitSandbox returns once a sandbox read pages.img (sandboxReads), the
+// load's awaitSandbox has passed, or ctx ended.
+func (l *load) waitSandbox(ctx context.Context) {
+	t := time.NewTimer(l.awaitSandbox)
+	defer t.Stop()
+	select {
+	case <-l.sandboxRead:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}
+
+// sandboxReads says a sandbox reads pages.img: its loader runs, and the
+// load holds back nothing more for it.
+func (l *load) sandboxReads() { l.sandboxOnce.Do(func() { close(l.sandboxRead) }) }
 
 // inOrder lists every chunk of the given files (indexes), in file and
 // offset order.
@@ -640,7 +703,7 @@ type Mount struct {
 	// materialized is the materialized dir a MountFiles mount reads.
 	materialized string
 	// materializeAfter holds the background load's materializing back
-	// until closed (FilesOptions).
+	// until closed (MountOptions).
 	materializeAfter <-chan struct{}
 	// files are what imagefs serves: every file's chunks, and the small
 	// files' bytes.
@@ -669,7 +732,12 @@ type Mount struct {
 // is bind-mounted from the node cache instead (no FUSE); without FUSE,
 // Mount loads eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
-	return p.mount(ctx, src, dir, false, nil)
+	return p.mount(ctx, src, dir, false, MountOptions{})
+}
+
+// MountWith is Mount tuned by opts.
+func (p *Puller) MountWith(ctx context.Context, src Source, dir string, opts MountOptions) (*Mount, error) {
+	return p.mount(ctx, src, dir, false, opts)
 }
 
 // MountFiles makes the snapshot readable through the Mount's ReadAt, for
@@ -680,22 +748,30 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 // created 0700 and left empty for the presenter's own files; nothing of
 // the snapshot is written there. A materialized snapshot is read from its
 // materialized dir. MountFiles needs no FUSE.
-func (p *Puller) MountFiles(ctx context.Context, src Source, dir string, opts FilesOptions) (*Mount, error) {
-	return p.mount(ctx, src, dir, true, opts.MaterializeAfter)
+func (p *Puller) MountFiles(ctx context.Context, src Source, dir string, opts MountOptions) (*Mount, error) {
+	return p.mount(ctx, src, dir, true, opts)
 }
 
-// FilesOptions tune MountFiles.
-type FilesOptions struct {
+// MountOptions tune MountWith and MountFiles.
+type MountOptions struct {
 	// MaterializeAfter, if set, holds the materialized dir's writing back
 	// until it is closed, once every chunk is local: a restore closes it
 	// when the sandbox has every page, so that writing the snapshot once
 	// more does not slow the sandbox's loading down. Nil: at once.
 	MaterializeAfter <-chan struct{}
+	// AwaitSandbox, if positive, holds the background load back, all but
+	// the start of pages.img that gVisor's loader reads first, until a
+	// sandbox first reads pages.img, or for this long after the mount is
+	// ready: a restore starts runsc on the same cores, and verifying the
+	// whole snapshot meanwhile slows runsc restore down (docs/benchmarks.md,
+	// "The background waits for the sandbox"). Reads are never held.
+	AwaitSandbox time.Duration
 }
 
 // mount is Mount, or with files MountFiles.
-func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, materializeAfter <-chan struct{}) (*Mount, error) {
+func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, opts MountOptions) (*Mount, error) {
 	start := time.Now()
+	materializeAfter := opts.MaterializeAfter
 	if materializeAfter == nil {
 		materializeAfter = closed
 	}
@@ -752,6 +828,8 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	// Ready needs the small files and the profile's first chunks queued,
 	// not the chunk tables of the large files: those load as reads need
 	// them, and the rest in the background (tables).
+	// Lazy from here: a sandbox reads as it restores (AwaitSandbox).
+	l.awaitSandbox = opts.AwaitSandbox
 	found := l.begin(bg)
 	m.files = make([]imagefs.File, len(l.snap.Files))
 	for i, f := range l.snap.Files {
@@ -843,6 +921,9 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 			dir = m.dir
 		}
 		return m.readMaterialized(dir, i, p, off)
+	}
+	if path == format.PagesFile {
+		m.l.sandboxReads()
 	}
 	src := format.ChunkSource(scheduled{s: m.l.sched, prio: prio})
 	return imagefs.ReadAt(ctx, m.l.p.cache, &m.files[i], p, off, src, &m.fsStats)
@@ -985,6 +1066,9 @@ func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 // still runs.
 func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	waited = m.rec.Read(path, off, n)
+	if path == format.PagesFile {
+		m.l.sandboxReads()
+	}
 	if path == format.PagesFile && n < imagefs.FaultBelow {
 		m.sandboxFaulted()
 	}
