@@ -71,7 +71,7 @@ func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (go
 		return fail(err)
 	}
 	// A private cache is removed at exit: nothing to materialize for.
-	m, err := p.MountFiles(ctx, src, filepath.Join(dir, "mount"), puller.MountOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: puller.AwaitRestore})
+	m, err := p.MountFiles(ctx, src, filepath.Join(dir, "mount"), puller.FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: puller.AwaitRestore})
 	if err != nil {
 		p.Close()
 		closePool()

@@ -273,7 +273,7 @@ type load struct {
 	prepared chan struct{}
 	// awaitSandbox, if positive, holds the background fetches past
 	// pages.img's lead until sandboxRead is closed (at a sandbox's first
-	// read of pages.img) or for that long (MountOptions.AwaitSandbox).
+	// read of pages.img) or for that long (FilesOptions.AwaitSandbox).
 	awaitSandbox time.Duration
 	sandboxRead  chan struct{}
 	sandboxOnce  sync.Once
@@ -555,14 +555,14 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 	return nil
 }
 
-// AwaitRestore is the MountOptions.AwaitSandbox of a mount a sandbox is
+// AwaitRestore is the FilesOptions.AwaitSandbox of a mount a sandbox is
 // restored from at once (cryo restore, the standalone gofer): runsc
 // restore reaches its first read of pages.img 0.2-0.5 s after the mount
 // is ready on an idle node.
 const AwaitRestore = 2 * time.Second
 
 // sandboxLead is how much of pages.img a load held for its sandbox
-// (MountOptions.AwaitSandbox) fetches at once: what gVisor's loader reads
+// (FilesOptions.AwaitSandbox) fetches at once: what gVisor's loader reads
 // first, which runsc restore waits on (16 reads of 1 MiB in flight through
 // cryo's gofer; FUSE: 128 of 256 KiB).
 const sandboxLead = 32 << 20
@@ -703,7 +703,7 @@ type Mount struct {
 	// materialized is the materialized dir a MountFiles mount reads.
 	materialized string
 	// materializeAfter holds the background load's materializing back
-	// until closed (MountOptions).
+	// until closed (FilesOptions).
 	materializeAfter <-chan struct{}
 	// files are what imagefs serves: every file's chunks, and the small
 	// files' bytes.
@@ -732,12 +732,7 @@ type Mount struct {
 // is bind-mounted from the node cache instead (no FUSE); without FUSE,
 // Mount loads eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
-	return p.mount(ctx, src, dir, false, MountOptions{})
-}
-
-// MountWith is Mount tuned by opts.
-func (p *Puller) MountWith(ctx context.Context, src Source, dir string, opts MountOptions) (*Mount, error) {
-	return p.mount(ctx, src, dir, false, opts)
+	return p.mount(ctx, src, dir, false, FilesOptions{})
 }
 
 // MountFiles makes the snapshot readable through the Mount's ReadAt, for
@@ -748,12 +743,12 @@ func (p *Puller) MountWith(ctx context.Context, src Source, dir string, opts Mou
 // created 0700 and left empty for the presenter's own files; nothing of
 // the snapshot is written there. A materialized snapshot is read from its
 // materialized dir. MountFiles needs no FUSE.
-func (p *Puller) MountFiles(ctx context.Context, src Source, dir string, opts MountOptions) (*Mount, error) {
+func (p *Puller) MountFiles(ctx context.Context, src Source, dir string, opts FilesOptions) (*Mount, error) {
 	return p.mount(ctx, src, dir, true, opts)
 }
 
-// MountOptions tune MountWith and MountFiles.
-type MountOptions struct {
+// FilesOptions tune MountFiles.
+type FilesOptions struct {
 	// MaterializeAfter, if set, holds the materialized dir's writing back
 	// until it is closed, once every chunk is local: a restore closes it
 	// when the sandbox has every page, so that writing the snapshot once
@@ -761,15 +756,17 @@ type MountOptions struct {
 	MaterializeAfter <-chan struct{}
 	// AwaitSandbox, if positive, holds the background load back, all but
 	// the start of pages.img that gVisor's loader reads first, until a
-	// sandbox first reads pages.img, or for this long after the mount is
-	// ready: a restore starts runsc on the same cores, and verifying the
-	// whole snapshot meanwhile slows runsc restore down (docs/benchmarks.md,
-	// "The background waits for the sandbox"). Reads are never held.
+	// sandbox first reads pages.img through ReadAt, or for this long after
+	// the mount is ready: a restore starts runsc on the same cores, and
+	// verifying the whole snapshot meanwhile slows runsc restore down
+	// (docs/benchmarks.md, "The background waits for the sandbox"). Reads
+	// are never held. (A FUSE mount holds nothing: measured, it gained
+	// nothing there.)
 	AwaitSandbox time.Duration
 }
 
 // mount is Mount, or with files MountFiles.
-func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, opts MountOptions) (*Mount, error) {
+func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, opts FilesOptions) (*Mount, error) {
 	start := time.Now()
 	materializeAfter := opts.MaterializeAfter
 	if materializeAfter == nil {
@@ -1066,9 +1063,6 @@ func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 // still runs.
 func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	waited = m.rec.Read(path, off, n)
-	if path == format.PagesFile {
-		m.l.sandboxReads()
-	}
 	if path == format.PagesFile && n < imagefs.FaultBelow {
 		m.sandboxFaulted()
 	}

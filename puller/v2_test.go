@@ -325,7 +325,7 @@ func TestFUSEFaultWindowReadServedFirst(t *testing.T) {
 }
 
 // TestBackgroundAwaitsTheSandbox: a mount whose background load waits for
-// its sandbox (MountOptions.AwaitSandbox, as a restore's) fetches only the
+// its sandbox (FilesOptions.AwaitSandbox, as a restore's) fetches only the
 // start of pages.img gVisor's loader reads first until the sandbox reads
 // pages.img; that read releases the rest, long before the wait's bound,
 // and every byte read is the source's. Without a read, the load starts
@@ -350,7 +350,7 @@ func TestBackgroundAwaitsTheSandbox(t *testing.T) {
 	ctx := context.Background()
 
 	p := newPuller(t, Options{})
-	m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), MountOptions{AwaitSandbox: time.Hour})
+	m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{AwaitSandbox: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -377,7 +377,7 @@ func TestBackgroundAwaitsTheSandbox(t *testing.T) {
 
 	// No sandbox: the load starts after the bound.
 	p2 := newPuller(t, Options{})
-	m2, err := p2.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt2"), MountOptions{AwaitSandbox: 100 * time.Millisecond})
+	m2, err := p2.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt2"), FilesOptions{AwaitSandbox: 100 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -327,7 +327,7 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	}
 	var m *puller.Mount
 	if req.Backend == "gofer" {
-		m, err = d.p.MountFiles(r.Context(), src, dir, puller.MountOptions{})
+		m, err = d.p.MountFiles(r.Context(), src, dir, puller.FilesOptions{})
 		if err == nil {
 			err = gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Index: src.Index.Digest, Socket: d.socket, Mount: id})
 			if err != nil {

@@ -287,7 +287,7 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 			m = g.m
 			r.env = append(os.Environ(), g.session.Env())
 		} else {
-			if m, err = p.MountWith(ctx, src, mountDir, puller.MountOptions{AwaitSandbox: puller.AwaitRestore}); err != nil {
+			if m, err = p.Mount(ctx, src, mountDir); err != nil {
 				return nil, err
 			}
 			defer r.release(m)
