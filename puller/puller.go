@@ -519,7 +519,9 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 	}
 	for i, all := range batches {
 		if i > 0 {
-			l.waitSandbox(ctx)
+			if err := l.waitSandbox(ctx); err != nil {
+				return err
+			}
 		}
 		// Prefetch returns the fetches of the chunks it queued in their
 		// order; the others are zero or held by the node cache.
@@ -556,7 +558,8 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 }
 
 // AwaitRestore is the FilesOptions.AwaitSandbox of a mount a sandbox is
-// restored from at once (cryo restore, the standalone gofer): runsc
+// restored from at once (cryo restore, cryo mount --backend gofer, the
+// standalone gofer): runsc
 // restore reaches its first read of pages.img 0.2-0.5 s after the mount
 // is ready on an idle node, the background load has its tables after
 // 0.05-0.35 s.
@@ -584,16 +587,18 @@ func splitLead(snap *format.Snapshot, chunks [][]format.Chunk, files []int) (lea
 	return lead, rest
 }
 
-// waitSandbox returns once a sandbox read pages.img (sandboxReads), the
-// load's awaitSandbox has passed, or ctx ended.
-func (l *load) waitSandbox(ctx context.Context) {
+// waitSandbox returns once a sandbox read pages.img (sandboxReads) or
+// the load's awaitSandbox has passed, or with ctx's error once it ended.
+func (l *load) waitSandbox(ctx context.Context) error {
 	t := time.NewTimer(l.awaitSandbox)
 	defer t.Stop()
 	select {
 	case <-l.sandboxRead:
 	case <-t.C:
 	case <-ctx.Done():
+		return ctx.Err()
 	}
+	return nil
 }
 
 // sandboxReads says a sandbox reads pages.img: its loader runs, and the

@@ -329,7 +329,7 @@ func TestFUSEFaultWindowReadServedFirst(t *testing.T) {
 // start of pages.img gVisor's loader reads first until the sandbox reads
 // pages.img; that read releases the rest, long before the wait's bound,
 // and every byte read is the source's. Without a read, the load starts
-// once the bound has passed.
+// once the bound has passed; unmounted while held, it ends.
 func TestBackgroundAwaitsTheSandbox(t *testing.T) {
 	r := startReg(t)
 	src, s := pushV2(t, r, "app", synth.Random, 48<<20, 5)
@@ -384,4 +384,20 @@ func TestBackgroundAwaitsTheSandbox(t *testing.T) {
 	t.Cleanup(func() { m2.Unmount() })
 	waitLoaded(t, m2)
 	settle(t, p2.cache, rest)
+
+	// Unmounted while held: the load ends, it does not wait out the bound.
+	p3 := newPuller(t, Options{})
+	m3, err := p3.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt3"), FilesOptions{AwaitSandbox: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	settle(t, p3.cache, lead)
+	if err := m3.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-m3.Loaded():
+	case <-time.After(time.Minute):
+		t.Fatal("a held load went on after its mount was unmounted")
+	}
 }
