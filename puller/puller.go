@@ -987,15 +987,23 @@ func (m *Mount) fetchSmallFiles(ctx context.Context) ([]int, error) {
 		small = append(small, i)
 		m.l.tables.hurry(i)
 	}
-	for _, i := range small {
-		f := &m.files[i]
-		data := make([]byte, 0, f.Size)
+	// The mount is not ready until these are here: fetch them as faults
+	// are, ahead of everything, each file's queued at once (WantNear), so
+	// that a far registry costs one round trip for a file's pack, not one
+	// per chunk.
+	tables := make([][]format.Chunk, len(small))
+	for k, i := range small {
 		chunks, err := m.l.tables.file(ctx, i)
 		if err != nil {
 			return nil, err
 		}
-		// The mount is not ready until these are here: fetch them as
-		// faults are, ahead of everything.
+		tables[k] = chunks
+		m.l.sched.WantNear(chunks, nil)
+	}
+	for k, i := range small {
+		f := &m.files[i]
+		data := make([]byte, 0, f.Size)
+		chunks := tables[k]
 		for _, c := range chunks {
 			b, err := m.l.sched.Get(ctx, c, nil, fetch.Fault)
 			if err != nil {

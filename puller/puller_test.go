@@ -54,10 +54,12 @@ type reg struct {
 	blobGets  atomic.Int64
 	blobBytes atomic.Int64
 	mu        sync.Mutex
-	delay     time.Duration
-	down      bool
-	corrupt   map[string]bool // blob digests served with a flipped byte
-	unserved  map[string]bool // blob digests answered 503
+	// gets counts the GETs of each blob, by digest.
+	gets     map[string]int
+	delay    time.Duration
+	down     bool
+	corrupt  map[string]bool // blob digests served with a flipped byte
+	unserved map[string]bool // blob digests answered 503
 	// noRange drops Range headers: the registry answers 200 with the
 	// whole blob, as some registries and mirrors do.
 	noRange bool
@@ -101,6 +103,13 @@ func startReg(t testing.TB) *reg {
 		}
 		if isBlob {
 			r.blobGets.Add(1)
+			r.mu.Lock()
+			if r.gets == nil {
+				r.gets = map[string]int{}
+			}
+			_, d, _ := strings.Cut(req.URL.Path, "/blobs/")
+			r.gets[d]++
+			r.mu.Unlock()
 			time.Sleep(delay)
 		}
 		if corrupt {

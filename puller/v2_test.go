@@ -401,3 +401,53 @@ func TestBackgroundAwaitsTheSandbox(t *testing.T) {
 		t.Fatal("a held load went on after its mount was unmounted")
 	}
 }
+
+// TestSmallFilesInOneRequest: the small files a mount fetches before it is
+// ready (a 1 MiB checkpoint.img: about 16 chunks of one pack) come in one
+// range request of their pack, not one per chunk, so that a far registry
+// costs the mount one round trip for them.
+func TestSmallFilesInOneRequest(t *testing.T) {
+	r := startReg(t)
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := synth.ImageDir(dir, synth.Random, 4<<20, 6); err != nil {
+		t.Fatal(err)
+	}
+	state := synth.StateFile(map[string]string{"runsc_version": "synthetic", "_timestamp": "2026-11-30 00:00:00 +0000 UTC"}, 1<<20, 6)
+	if err := os.WriteFile(filepath.Join(dir, "checkpoint.img"), state, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	repo := r.repo(t, "app:v1")
+	res, err := transfer.Push(context.Background(), dir, repo, "v1", transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := Source{Index: res.Descriptor, Endpoints: []fetch.Endpoint{{Name: "primary", Store: transfer.Ranged{Repository: repo}}}}
+	chunks := snapshotChunksOf(t, s, "checkpoint.img")
+	packs := map[string]bool{}
+	for _, c := range chunks {
+		packs[c.Blob.String()] = true
+	}
+	if len(chunks) < 8 || len(packs) != 1 {
+		t.Fatalf("checkpoint.img is %d chunks in %d packs: want many chunks in one", len(chunks), len(packs))
+	}
+	p := newPuller(t, Options{})
+	m, err := p.MountFiles(context.Background(), s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{AwaitSandbox: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Unmount() })
+	got := make([]byte, len(state))
+	if err := m.ReadAt(context.Background(), "checkpoint.img", got, 0, fetch.Read); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, state) {
+		t.Fatal("checkpoint.img differs")
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for d := range packs {
+		if n := r.gets[d]; n != 1 {
+			t.Errorf("checkpoint.img's %d chunks came in %d requests of their pack, want 1", len(chunks), n)
+		}
+	}
+}
