@@ -559,10 +559,9 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 
 // AwaitRestore is the FilesOptions.AwaitSandbox of a mount a sandbox is
 // restored from at once (cryo restore, cryo mount --backend gofer, the
-// standalone gofer): runsc
-// restore reaches its first read of pages.img 0.2-0.5 s after the mount
-// is ready on an idle node, the background load has its tables after
-// 0.05-0.35 s.
+// standalone gofer): on an idle node runsc restore reaches its first read
+// of pages.img 0.2-0.5 s after the mount is ready, and the background
+// load has its tables after 0.05-0.35 s.
 const AwaitRestore = 2 * time.Second
 
 // sandboxLead is how much of pages.img a load held for its sandbox
@@ -763,11 +762,11 @@ type FilesOptions struct {
 	// AwaitSandbox, if positive, holds the background load back, all but
 	// the start of pages.img that gVisor's loader reads first, until a
 	// sandbox first reads pages.img through ReadAt, or for this long once
-	// the background load has its chunk tables: a restore starts runsc on the same cores, and
-	// verifying the whole snapshot meanwhile slows runsc restore down
-	// (docs/benchmarks.md, "The background waits for the sandbox"). Reads
-	// are never held. (A FUSE mount holds nothing: measured, it gained
-	// nothing there.)
+	// the background load has its chunk tables: a restore starts runsc on
+	// the same cores, and verifying the whole snapshot meanwhile slows
+	// runsc restore down (docs/benchmarks.md, "The background waits for
+	// the sandbox"). Reads are never held. (A FUSE mount holds nothing:
+	// measured, it gained nothing there.)
 	AwaitSandbox time.Duration
 }
 

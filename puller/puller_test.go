@@ -76,7 +76,7 @@ func startReg(t testing.TB) *reg {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &reg{srv: srv, root: root, corrupt: map[string]bool{}}
+	r := &reg{srv: srv, root: root, corrupt: map[string]bool{}, gets: map[string]int{}}
 	h := srv.Handler()
 	r.http = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		r.mu.Lock()
@@ -104,9 +104,6 @@ func startReg(t testing.TB) *reg {
 		if isBlob {
 			r.blobGets.Add(1)
 			r.mu.Lock()
-			if r.gets == nil {
-				r.gets = map[string]int{}
-			}
 			_, d, _ := strings.Cut(req.URL.Path, "/blobs/")
 			r.gets[d]++
 			r.mu.Unlock()
