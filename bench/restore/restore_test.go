@@ -397,7 +397,8 @@ func report(sizes []int, links []Link, res map[string][]sample) {
 }
 
 // pathsFromEnv returns the paths to measure: all, or with
-// CRYO_BENCH_ONLY=SUBSTRING those whose name contains it. For
+// CRYO_BENCH_ONLY=SUBSTRING[,SUBSTRING...] those whose name contains one
+// of them (e.g. "gofer,oras,cold page" for the paths issue 15 compares). For
 // investigations, CRYO_BENCH_GOFER_CPUPROFILE=FILE profiles the gofer
 // path's cryo restore, CRYO_BENCH_FUSE_CPUPROFILE=PREFIX the FUSE path's
 // (to PREFIX.<format>.<MiB>.<rep>), CRYO_BENCH_GOFER_FLAGS adds flags to it (e.g.
@@ -413,8 +414,11 @@ func pathsFromEnv(formats []string) []string {
 	}
 	var out []string
 	for _, p := range all {
-		if strings.Contains(p, os.Getenv("CRYO_BENCH_ONLY")) {
-			out = append(out, p)
+		for _, want := range strings.Split(os.Getenv("CRYO_BENCH_ONLY"), ",") {
+			if want != "" && strings.Contains(p, want) {
+				out = append(out, p)
+				break
+			}
 		}
 	}
 	return out
