@@ -95,18 +95,36 @@ func (e *BinaryError) Unwrap() error { return e.Err }
 // Check returns a *BinaryError unless dir holds a gofer of runsc's gVisor
 // release (runsc is what `runsc --version` names).
 func Check(ctx context.Context, dir, runsc string) error {
+	return StartCheck(ctx, dir)(runsc)
+}
+
+// StartCheck starts Check's look at the gofer in dir (its `--version`)
+// and returns the rest of Check, which waits for it: a restore runs it
+// while runsc reports its own release.
+func StartCheck(ctx context.Context, dir string) func(runsc string) error {
 	if dir == "" {
-		return &BinaryError{Path: Binary, Runsc: runsc, Err: fmt.Errorf("no gofer dir given")}
+		return func(runsc string) error {
+			return &BinaryError{Path: Binary, Runsc: runsc, Err: fmt.Errorf("no gofer dir given")}
+		}
 	}
 	path := filepath.Join(dir, Binary)
-	rel, err := Release(ctx, path)
-	if err != nil {
-		return &BinaryError{Path: path, Runsc: runsc, Err: err}
+	type release struct {
+		v   string
+		err error
 	}
-	if rel != runsc {
-		return &BinaryError{Path: path, Release: rel, Runsc: runsc}
+	c := make(chan release, 1)
+	go func() { v, err := Release(ctx, path); c <- release{v, err} }()
+	return func(runsc string) error {
+		rel := <-c
+		c <- rel // a second call sees the same answer
+		if rel.err != nil {
+			return &BinaryError{Path: path, Runsc: runsc, Err: rel.err}
+		}
+		if rel.v != runsc {
+			return &BinaryError{Path: path, Release: rel.v, Runsc: runsc}
+		}
+		return nil
 	}
-	return nil
 }
 
 // ConfigFile is the file whose presence in an image dir makes runsc start

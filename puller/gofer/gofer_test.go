@@ -3,6 +3,7 @@ package gofer
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -219,5 +220,40 @@ func TestSidecarDir(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 2 {
 		t.Errorf("sidecar dir holds %v, want 2 links", ents)
+	}
+}
+
+// TestStartCheck runs the look at a gofer ahead of runsc's release, as a
+// restore does: a gofer of that release passes; another release, a dir
+// without a gofer and a binary that is not cryo's gofer are refused with
+// a *BinaryError that says which; asking twice gives the same answer.
+func TestStartCheck(t *testing.T) {
+	ctx := context.Background()
+	gofer := func(t *testing.T, script string) string {
+		dir := t.TempDir()
+		if err := os.WriteFile(filepath.Join(dir, Binary), []byte("#!/bin/sh\n"+script+"\n"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	good := gofer(t, `echo "cryo checkpointgofer, gVisor release release-1"`)
+	check := StartCheck(ctx, good)
+	for i := range 2 {
+		if err := check("release-1"); err != nil {
+			t.Fatalf("call %d: a gofer of runsc's release: %v", i, err)
+		}
+	}
+	var be *BinaryError
+	if err := StartCheck(ctx, good)("release-2"); !errors.As(err, &be) || be.Release != "release-1" || be.Runsc != "release-2" {
+		t.Errorf("a gofer of another release: %v, want a *BinaryError naming both", err)
+	}
+	if err := StartCheck(ctx, t.TempDir())("release-1"); !errors.As(err, &be) || !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("no gofer in the dir: %v, want a *BinaryError wrapping ErrNotExist", err)
+	}
+	if err := StartCheck(ctx, gofer(t, `echo "runsc version release-1"`))("release-1"); !errors.As(err, &be) || !strings.Contains(err.Error(), "not cryo's checkpoint gofer") {
+		t.Errorf("another binary: %v, want it named not cryo's gofer", err)
+	}
+	if err := StartCheck(ctx, "")("release-1"); !errors.As(err, &be) {
+		t.Errorf("no gofer dir: %v, want a *BinaryError", err)
 	}
 }

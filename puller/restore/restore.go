@@ -95,7 +95,8 @@ const (
 // chooseBackend decides between FUSE and the gofer for a snapshot that
 // is not materialized.
 // With auto, it also returns why the gofer is not used, if it is not.
-func chooseBackend(ctx context.Context, opts Options, runsc string) (b Backend, whyNot, err error) {
+// check is gofer.StartCheck's (nil with --backend fuse).
+func chooseBackend(opts Options, check func(runsc string) error, runsc string) (b Backend, whyNot, err error) {
 	switch opts.Backend {
 	case BackendFUSE:
 		return BackendFUSE, nil, nil
@@ -103,7 +104,7 @@ func chooseBackend(ctx context.Context, opts Options, runsc string) (b Backend, 
 	default:
 		return "", nil, fmt.Errorf("restore: backend %q: want auto, fuse or gofer", opts.Backend)
 	}
-	if err := gofer.Check(ctx, opts.GoferDir, runsc); err != nil {
+	if err := check(runsc); err != nil {
 		if opts.Backend == BackendGofer {
 			return "", nil, fmt.Errorf("%w; or restore with --backend fuse", err)
 		}
@@ -255,7 +256,12 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 		}
 		mountDir = filepath.Join(p.Cache().Root(), "mounts", opts.ContainerID)
 	}
-	// Check before mounting: a refused snapshot fetches no chunk.
+	// Check before mounting: a refused snapshot fetches no chunk. The
+	// gofer's release is asked for meanwhile.
+	var checkGofer func(string) error
+	if opts.Backend != BackendFUSE {
+		checkGofer = gofer.StartCheck(ctx, opts.GoferDir)
+	}
 	local, err := checkVersion(ctx, src, opts)
 	if err != nil {
 		return nil, err
@@ -273,7 +279,7 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 	if materialized {
 		r.res.Mode = "materialized"
 	} else {
-		backend, whyNot, err := chooseBackend(ctx, opts, local)
+		backend, whyNot, err := chooseBackend(opts, checkGofer, local)
 		if err != nil {
 			return nil, err
 		}
