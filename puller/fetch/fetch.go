@@ -934,11 +934,25 @@ func (s *Scheduler) runCall(cl *call, prio Priority) {
 	// The priority it ran at: a call run again (requeue) may have been
 	// promoted since.
 	s.active[prio]--
-	if prio == Fault {
+	if prio == Fault || cl.wantedByFault() {
 		s.faultEnded = s.now()
 	}
 	s.cond.Broadcast() // lower priorities may run now
 	s.mu.Unlock()
+}
+
+// wantedByFault says whether a page fault asked for cl or a call of its
+// batch, perhaps after it started at a lower priority. s.mu is held.
+func (cl *call) wantedByFault() bool {
+	if cl.want == Fault {
+		return true
+	}
+	for _, b := range cl.batch {
+		if b.want == Fault {
+			return true
+		}
+	}
+	return false
 }
 
 // run fetches cl's chunk and returns once its write into the node cache is

@@ -337,3 +337,49 @@ func TestBackgroundYieldsAfterAFault(t *testing.T) {
 		t.Errorf("a read %v after a fault yielded %d times", 2*FaultQuiet, n)
 	}
 }
+
+// TestBackgroundYieldsAfterAFaultThatJoinedARead: a page fault on a chunk
+// the background had already started fetching waits on that fetch; when
+// it ends, the background yields for FaultQuiet as after any fault.
+func TestBackgroundYieldsAfterAFaultThatJoinedARead(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	joined, jb := packedChunks(3, 1, size)
+	late, lb := packedChunks(4, 2, size)
+	all := blobs{}
+	for _, m := range []blobs{jb, lb} {
+		for d, p := range m {
+			all[d] = p
+		}
+	}
+	gate := &packGate{blobs: all, pack: joined[0].Blob, entered: make(chan struct{}), release: make(chan struct{})}
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: gate}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
+	var clock atomic.Int64 // nanoseconds past t0
+	t0 := time.Now()
+	s.now = func() time.Time { return t0.Add(time.Duration(clock.Load())) }
+	var yields atomic.Int64
+	s.yielding = func() { yields.Add(1) }
+	ctx := context.Background()
+	s.Want(joined, Read)
+	<-gate.entered // the background's fetch has started
+	got := make(chan error, 1)
+	go func() { _, err := s.Get(ctx, joined[0], nil, Fault); got <- err }()
+	eventually(t, "the fault to join the started fetch", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		cl := s.calls[keyOf(joined[0])]
+		return cl != nil && cl.want == Fault
+	})
+	close(gate.release)
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	clock.Store(int64(FaultQuiet / 2))
+	s.Want(late, Read)
+	if _, err := s.Get(ctx, late[0], nil, Read); err != nil {
+		t.Fatal(err)
+	}
+	if yields.Load() == 0 {
+		t.Errorf("a read %v after a fault that joined a started fetch did not yield", FaultQuiet/2)
+	}
+}
