@@ -327,7 +327,10 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	}
 	var m *puller.Mount
 	if req.Backend == "gofer" {
-		m, err = d.p.MountFiles(r.Context(), src, dir, puller.FilesOptions{})
+		// A sandbox manager asks for a gofer mount to restore from it
+		// next: its background load waits for the sandbox, as cryo
+		// restore's does.
+		m, err = d.p.MountFiles(r.Context(), src, dir, puller.FilesOptions{AwaitSandbox: puller.AwaitRestore})
 		if err == nil {
 			err = gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Index: src.Index.Digest, Socket: d.socket, Mount: id})
 			if err != nil {

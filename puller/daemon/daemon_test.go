@@ -457,3 +457,42 @@ func TestGoferMount(t *testing.T) {
 	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "backend": "nfs"}`, http.StatusBadRequest)
 	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "profile": "/etc/shadow"}`, http.StatusBadRequest)
 }
+
+// TestGoferMountAwaitsTheSandbox: a daemon's gofer mount is made for a
+// sandbox manager to restore from next, so its background load fetches
+// the start of pages.img only until a sandbox reads it (as cryo
+// restore's does); the read releases the rest.
+func TestGoferMountAwaitsTheSandbox(t *testing.T) {
+	td := newTestDaemon(t, Options{})
+	ctx := context.Background()
+	img := filepath.Join(t.TempDir(), "big")
+	synth.ImageDir(img, synth.Random, 64<<20, 2)
+	ref := strings.Replace(td.ref, "/app:v1", "/big:v1", 1)
+	repo, tag, _ := transfer.Repository(ref, transfer.ClientOptions{})
+	if _, err := transfer.Push(ctx, img, repo, tag, transfer.PushOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var m Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+ref+`", "backend": "gofer"}`, http.StatusCreated), &m)
+	pages, _ := os.Stat(filepath.Join(img, "pages.img"))
+	small := m.TotalBytes - pages.Size()
+	// Unheld, a loopback registry's 64 MiB is local well within this.
+	time.Sleep(500 * time.Millisecond)
+	json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+m.ID, "", http.StatusOK), &m)
+	if m.LocalBytes > small+32<<20 {
+		t.Fatalf("%d of %d bytes local before a sandbox read pages.img, want at most the small files and the first 32 MiB", m.LocalBytes, m.TotalBytes)
+	}
+	c := gofer.NewClient(td.sock, m.ID, m.Digest, 5*time.Second)
+	defer c.Close()
+	if err := c.ReadAt(ctx, "pages.img", [][]byte{make([]byte, 4096)}, 0, fetch.Read); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for !m.Loaded {
+		if time.Now().After(deadline) {
+			t.Fatalf("not loaded a minute after the sandbox's read: %+v", m)
+		}
+		time.Sleep(20 * time.Millisecond)
+		json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+m.ID, "", http.StatusOK), &m)
+	}
+}
