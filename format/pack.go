@@ -331,6 +331,11 @@ type packer struct {
 	opts  PackOptions
 	codec *Codec
 	bufs  sync.Pool
+	// packs recycles format v2's open packs (PackSize each) once
+	// uploaded: a snapshot fills one every 4 MiB of new frames, and fresh
+	// memory is what some machines charge most for (docs/benchmarks.md,
+	// "Loaded at 2 GiB").
+	packs sync.Pool
 	mu    sync.Mutex
 	blobs map[digest.Digest]bool // blob digest -> uploaded by us
 	stats PackStats
@@ -381,6 +386,7 @@ func newPacker(dst content.Storage, opts PackOptions) (*packer, error) {
 		stats:     PackStats{Chunks: map[Encoding]int{}},
 		chunkSeen: map[digest.Digest]bool{}, newChunk: map[digest.Digest]bool{}}
 	p.bufs.New = func() any { b := make([]byte, 0, max); return &b }
+	p.packs.New = func() any { b := make([]byte, 0, p.opts.PackSize); return &b }
 	return p, nil
 }
 
