@@ -88,7 +88,15 @@ func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
 	if !checkpointFiles[path] {
 		return nil, fmt.Errorf("cryo checkpoint gofer: %q is not a checkpoint file", path)
 	}
-	s.log.Info("open for writing", "path", path)
+	refs, err := s.uploads.UploadRefs(s.ctx, path)
+	if err == nil {
+		s.log.Info("open for writing", "path", path, "upload", "references")
+		return &refWriter{s: s, path: path, up: refs, done: make(chan stateio.Completion, maxParallel)}, nil
+	}
+	if !gofer.IsNoRefs(err) {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %w", err)
+	}
+	s.log.Info("open for writing", "path", path, "upload", "bytes", "why", err)
 	w := &writer{s: s, path: path, up: s.uploads.Upload(s.ctx, path),
 		queue: make(chan writeJob, maxParallel), done: make(chan stateio.Completion, maxParallel), stopped: make(chan struct{})}
 	go w.run()
@@ -336,3 +344,158 @@ func (w *writer) Close() error {
 
 // errAborted ends the upload of a file the sentry closed unfinalized.
 var errAborted = errors.New("the sentry closed the file before finalizing it")
+
+// refWriter is a stateio.AsyncWriter of one file of a checkpoint, sent
+// to cryo as a reference upload (gofer.RefsProtocol): the sentry's files
+// that its writes come from are passed to cryo once, as they are
+// registered, and each write is sent as the ranges of them it names, which
+// cryo reads itself. A write completes when cryo has read its bytes (the
+// sentry may then reuse them); Finalize once cryo has packed the file.
+type refWriter struct {
+	s    *server
+	path string
+	up   *gofer.RefUpload
+	done chan stateio.Completion
+
+	failed    atomic.Bool
+	finalized bool
+}
+
+var _ stateio.AsyncWriter = (*refWriter)(nil)
+
+// refFile is the stateio.SourceFile of a file passed to cryo.
+type refFile uint32
+
+// MaxWriteBytes implements stateio.AsyncWriter.MaxWriteBytes.
+func (w *refWriter) MaxWriteBytes() uint64 { return maxIOBytes }
+
+// MaxRanges implements stateio.AsyncWriter.MaxRanges.
+func (w *refWriter) MaxRanges() int { return maxIOBytes / unix.Getpagesize() }
+
+// MaxParallel implements stateio.AsyncWriter.MaxParallel.
+func (w *refWriter) MaxParallel() int { return maxParallel }
+
+// NeedRegisterSourceFD implements stateio.AsyncWriter.NeedRegisterSourceFD.
+func (w *refWriter) NeedRegisterSourceFD() bool { return true }
+
+// RegisterSourceFD implements stateio.AsyncWriter.RegisterSourceFD: the
+// file is passed to cryo (the kernel gives cryo its own fd).
+func (w *refWriter) RegisterSourceFD(fd int32, size uint64, _ []stateio.ClientFileRangeSetting) (stateio.SourceFile, error) {
+	h, err := w.up.Register(int(fd), size)
+	if err != nil {
+		w.s.log.Error("passing a source file failed: the checkpoint fails", "path", w.path, "err", err)
+		return nil, err
+	}
+	return refFile(h), nil
+}
+
+// complete is a write's end, once cryo answered for it.
+func (w *refWriter) complete(id int, n uint64) func(error) {
+	return func(err error) {
+		if err != nil {
+			if !w.failed.Swap(true) {
+				w.s.log.Error("write failed: the checkpoint fails", "path", w.path, "err", err)
+			}
+			w.done <- stateio.Completion{ID: id, Err: unix.EIO}
+			return
+		}
+		w.s.written.Add(int64(n))
+		w.done <- stateio.Completion{ID: id, N: n}
+	}
+}
+
+// AddWrite implements stateio.AsyncWriter.AddWrite.
+func (w *refWriter) AddWrite(id int, srcFile stateio.SourceFile, srcFR memmap.FileRange, src []byte) {
+	w.add(id, uint64(len(src)), srcFile, []memmap.FileRange{srcFR}, [][]byte{src})
+}
+
+// AddWritev implements stateio.AsyncWriter.AddWritev.
+func (w *refWriter) AddWritev(id int, total uint64, srcFile stateio.SourceFile, srcFRs []memmap.FileRange, iovecs []unix.Iovec) {
+	srcs := make([][]byte, len(iovecs))
+	for i, iov := range iovecs {
+		srcs[i] = stateio.SliceFromIovec(iov)
+	}
+	w.add(id, total, srcFile, srcFRs, srcs)
+}
+
+// add sends one write: as ranges of its source file if that was passed to
+// cryo, else as its bytes.
+func (w *refWriter) add(id int, total uint64, srcFile stateio.SourceFile, frs []memmap.FileRange, srcs [][]byte) {
+	if total == 0 {
+		w.done <- stateio.Completion{ID: id}
+		return
+	}
+	if h, ok := srcFile.(refFile); ok && len(frs) == len(srcs) {
+		ranges := make([][2]uint64, 0, len(frs))
+		for _, fr := range frs {
+			if fr.Length() > 0 {
+				ranges = append(ranges, [2]uint64{fr.Start, fr.Length()})
+			}
+		}
+		w.up.Send(uint32(h), ranges, w.complete(id, total))
+		return
+	}
+	// The bytes themselves, one frame per piece: the last answer is the
+	// write's.
+	last := 0
+	for i, b := range srcs {
+		if len(b) > 0 {
+			last = i
+		}
+	}
+	for i, b := range srcs {
+		if len(b) == 0 {
+			continue
+		}
+		done := func(error) {}
+		if i == last {
+			done = w.complete(id, total)
+		}
+		w.up.SendBytes(b, done)
+	}
+}
+
+// Wait implements stateio.AsyncWriter.Wait.
+func (w *refWriter) Wait(cs []stateio.Completion, minCompletions int) ([]stateio.Completion, error) {
+	return stateio.CompletionChanWait(w.done, cs, minCompletions)
+}
+
+// Reserve implements stateio.AsyncWriter.Reserve: the upload needs no
+// room reserved.
+func (w *refWriter) Reserve(n uint64) {}
+
+// Finalize implements stateio.AsyncWriter.Finalize: it ends the file and
+// waits until cryo has packed it.
+func (w *refWriter) Finalize() error {
+	w.finalized = true
+	n, err := w.up.Finish()
+	if err != nil {
+		w.s.log.Error("finalize failed: the checkpoint fails", "path", w.path, "err", err)
+		return err
+	}
+	w.s.log.Info("written", "path", w.path, "size", n)
+	return nil
+}
+
+// Close implements stateio.AsyncWriter.Close. A file not finalized is
+// aborted (cryo drops it, and the snapshot is never tagged); writes
+// still in flight complete with errors nobody waits for.
+func (w *refWriter) Close() error {
+	if !w.finalized {
+		w.failed.Store(true)
+		// Answers to writes still in flight must not block the abort.
+		stop := make(chan struct{})
+		go func() {
+			for {
+				select {
+				case <-w.done:
+				case <-stop:
+					return
+				}
+			}
+		}()
+		w.up.Abort()
+		close(stop)
+	}
+	return nil
+}

@@ -185,6 +185,7 @@ func parseRange(h string, size int64) (start, end int64, err error) {
 // concurrent use.
 type Client struct {
 	http     *http.Client
+	socket   string
 	id       string
 	base     string
 	index    digest.Digest
@@ -218,6 +219,7 @@ func NewClient(socket, id string, index digest.Digest, deadline time.Duration) *
 	}
 	return &Client{
 		http:     &http.Client{Transport: tr},
+		socket:   socket,
 		id:       id,
 		base:     "http://cryo/v1/mounts/" + url.PathEscape(id) + "/files/",
 		index:    index,

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
@@ -33,12 +34,32 @@ type SinkLookup func(id string) (Sink, bool)
 // gives the files it writes to a local image dir.
 const FileMode fs.FileMode = 0o644
 
-// RegisterUploads adds the upload API to mux.
+// RegisterUploads adds the upload API to mux: plain uploads (the file's
+// bytes as the body) and reference uploads (RefsProtocol).
 func RegisterUploads(mux *http.ServeMux, lookup SinkLookup) {
 	mux.HandleFunc("PUT /v1/checkpoints/{id}/files/{path...}", func(w http.ResponseWriter, r *http.Request) {
 		sink, ok := lookup(r.PathValue("id"))
 		if !ok {
 			http.Error(w, "no checkpoint "+r.PathValue("id"), http.StatusNotFound)
+			return
+		}
+		if r.Header.Get("Upgrade") == RefsProtocol {
+			hj, ok := w.(http.Hijacker)
+			if !ok {
+				http.Error(w, "reference uploads need HTTP/1.1", http.StatusBadRequest)
+				return
+			}
+			conn, rw, err := hj.Hijack()
+			if err != nil {
+				return
+			}
+			uc, ok := conn.(*net.UnixConn)
+			if !ok || rw.Reader.Buffered() > 0 {
+				// Frames only follow the 101; fds only cross a unix socket.
+				conn.Close()
+				return
+			}
+			serveRefs(r.Context(), uc, sink, r.PathValue("path"))
 			return
 		}
 		n, err := sink.AddFile(r.Context(), r.PathValue("path"), FileMode, r.Body)

@@ -41,6 +41,9 @@ func TestCheckpointIntoRegistryThenRestore(t *testing.T) {
 	if err != nil {
 		t.Fatalf("checkpoint: %v\ngofer log:\n%s", err, logged)
 	}
+	if !strings.Contains(string(logged), "path=pages.img upload=references") {
+		t.Errorf("the gofer did not pass pages.img's bytes by reference:\n%s", logged)
+	}
 	app.AfterCheckpoint(t)
 	last := app.LastCount()
 	t.Logf("checkpoint: %+v; files %v; runsc returned after %v, tagged after %v", res.Stats, res.Files, res.Checkpointed, res.Pushed)

@@ -1,0 +1,174 @@
+package gofer
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// memFile returns a memfd holding data, as the sentry's memory file.
+func memFile(t *testing.T, data []byte) int {
+	t.Helper()
+	fd, err := unix.MemfdCreate("sentry-memory", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	if _, err := unix.Pwrite(fd, data, 0); err != nil {
+		t.Fatal(err)
+	}
+	return fd
+}
+
+// TestRefUploadReadsTheSentrysFile streams a file named by ranges of a
+// passed fd, out of the file's order, and inline bytes, and checks that
+// cryo packs exactly the bytes named, acknowledging each frame in order.
+func TestRefUploadReadsTheSentrysFile(t *testing.T) {
+	sink := &readSink{sums: map[string][32]byte{}}
+	c := startUploads(t, sink)
+	mem := make([]byte, 8<<20)
+	for i := range mem {
+		mem[i] = byte(i/4096) ^ byte(i)
+	}
+	fd := memFile(t, mem)
+	u, err := c.UploadRefs(context.Background(), "pages.img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := u.Register(fd, uint64(len(mem)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want bytes.Buffer
+	var mu sync.Mutex
+	var acked []int
+	ack := func(i int) func(error) {
+		return func(err error) {
+			if err != nil {
+				t.Errorf("frame %d: %v", i, err)
+			}
+			mu.Lock()
+			acked = append(acked, i)
+			mu.Unlock()
+		}
+	}
+	// 1 MiB writes of pages in reverse order, as a sentry's ranges may
+	// be, then a few inline bytes.
+	for i := range 8 {
+		var ranges [][2]uint64
+		for p := 255; p >= 0; p-- {
+			off := uint64((7-i)<<20 + p*4096)
+			ranges = append(ranges, [2]uint64{off, 4096})
+			want.Write(mem[off : off+4096])
+		}
+		u.Send(h, ranges, ack(i))
+	}
+	tail := []byte("checkpoint tail")
+	u.SendBytes(tail, ack(8))
+	want.Write(tail)
+	n, err := u.Finish()
+	if err != nil || n != int64(want.Len()) {
+		t.Fatalf("Finish: %d, %v; want %d", n, err, want.Len())
+	}
+	if sink.sums["pages.img"] != sha256.Sum256(want.Bytes()) {
+		t.Fatal("cryo packed other bytes than the frames named")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(acked) != 9 {
+		t.Fatalf("acknowledged %v, want frames 0 to 8", acked)
+	}
+	for i, a := range acked {
+		if a != i {
+			t.Fatalf("acknowledged %v, want frames in order", acked)
+		}
+	}
+}
+
+// TestRefUploadRefusesRangesOutsideTheFile checks that a range past the
+// size a file was passed with fails the file, and its send, with a
+// clear error: no byte past it is read.
+func TestRefUploadRefusesRangesOutsideTheFile(t *testing.T) {
+	sink := &readSink{sums: map[string][32]byte{}}
+	c := startUploads(t, sink)
+	fd := memFile(t, make([]byte, 1<<20))
+	u, err := c.UploadRefs(context.Background(), "pages.img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := u.Register(fd, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := make(chan error, 1)
+	u.Send(h, [][2]uint64{{1<<20 - 4096, 8192}}, func(err error) { failed <- err })
+	_, err = u.Finish()
+	if err == nil || !strings.Contains(err.Error(), "outside file") {
+		t.Fatalf("Finish: %v, want a range outside the file refused", err)
+	}
+	if err := <-failed; err == nil {
+		t.Fatal("the refused frame's send succeeded")
+	}
+	if _, ok := sink.sums["pages.img"]; ok {
+		t.Fatal("the sink took the file whole")
+	}
+}
+
+// TestRefUploadAbortDropsTheFile checks that a stream cut before its end
+// never reaches the sink as a whole file.
+func TestRefUploadAbortDropsTheFile(t *testing.T) {
+	sink := &readSink{sums: map[string][32]byte{}}
+	c := startUploads(t, sink)
+	u, err := c.UploadRefs(context.Background(), "pages.img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	u.SendBytes(bytes.Repeat([]byte{7}, 1<<20), func(err error) { done <- err })
+	<-done
+	u.Abort()
+	if _, err := u.Finish(); err == nil {
+		t.Fatal("Finish after Abort succeeded")
+	}
+	if _, ok := sink.sums["pages.img"]; ok {
+		t.Fatal("the sink took an aborted file whole")
+	}
+}
+
+// BenchmarkRefUpload streams 256 MiB of a memfd as references, in 1 MiB
+// frames: BenchmarkUpload's bytes without the socket.
+func BenchmarkRefUpload(b *testing.B) {
+	sink := &readSink{sums: map[string][32]byte{}}
+	c := startUploads(b, sink)
+	fd, err := unix.MemfdCreate("sentry-memory", unix.MFD_CLOEXEC)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(fd)
+	const size = 256 << 20
+	if _, err := unix.Pwrite(fd, make([]byte, size), 0); err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(size)
+	for b.Loop() {
+		u, err := c.UploadRefs(context.Background(), "pages.img")
+		if err != nil {
+			b.Fatal(err)
+		}
+		h, err := u.Register(fd, size)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for off := uint64(0); off < size; off += 1 << 20 {
+			u.Send(h, [][2]uint64{{off, 1 << 20}}, func(error) {})
+		}
+		if _, err := u.Finish(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
