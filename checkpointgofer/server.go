@@ -315,13 +315,7 @@ func (w *writer) Finalize() error {
 	close(w.queue)
 	<-w.stopped
 	w.queue = nil
-	n, err := w.up.Finish()
-	if err != nil {
-		w.s.log.Error("finalize failed: the checkpoint fails", "path", w.path, "err", err)
-		return err
-	}
-	w.s.log.Info("written", "path", w.path, "size", n)
-	return nil
+	return w.s.finalized(w.path)(w.up.Finish())
 }
 
 // Close implements stateio.AsyncWriter.Close. A file not finalized is
@@ -340,6 +334,19 @@ func (w *writer) Close() error {
 		close(w.done)
 	}
 	return nil
+}
+
+// finalized logs the end of path's upload, n bytes packed or err, and
+// returns err.
+func (s *server) finalized(path string) func(n int64, err error) error {
+	return func(n int64, err error) error {
+		if err != nil {
+			s.log.Error("finalize failed: the checkpoint fails", "path", path, "err", err)
+			return err
+		}
+		s.log.Info("written", "path", path, "size", n)
+		return nil
+	}
 }
 
 // errAborted ends the upload of a file the sentry closed unfinalized.
@@ -468,13 +475,7 @@ func (w *refWriter) Reserve(n uint64) {}
 // waits until cryo has packed it.
 func (w *refWriter) Finalize() error {
 	w.finalized = true
-	n, err := w.up.Finish()
-	if err != nil {
-		w.s.log.Error("finalize failed: the checkpoint fails", "path", w.path, "err", err)
-		return err
-	}
-	w.s.log.Info("written", "path", w.path, "size", n)
-	return nil
+	return w.s.finalized(w.path)(w.up.Finish())
 }
 
 // Close implements stateio.AsyncWriter.Close. A file not finalized is

@@ -52,7 +52,8 @@ const (
 
 // RefUpload is one checkpoint file streamed as a reference upload.
 // Register, Send and SendBytes may be called from one goroutine at a
-// time; done callbacks run in order on the upload's own goroutine.
+// time; done callbacks run in order on the upload's own goroutine (those
+// of sends after the upload failed, on goroutines of their own).
 type RefUpload struct {
 	conn *net.UnixConn
 
@@ -77,7 +78,7 @@ func (c *Client) UploadRefs(ctx context.Context, path string) (*RefUpload, error
 		return nil, fmt.Errorf("upload %s: %w", path, err)
 	}
 	conn := nc.(*net.UnixConn)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPut, "http://cryo/v1/checkpoints/"+url.PathEscape(c.id)+"/files/"+path, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, "http://cryo/v1/checkpoints/"+url.PathEscape(c.id)+"/refs/"+path, nil)
 	if err != nil {
 		conn.Close()
 		return nil, err
@@ -99,14 +100,27 @@ func (c *Client) UploadRefs(ctx context.Context, path string) (*RefUpload, error
 	if resp.StatusCode != http.StatusSwitchingProtocols {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		conn.Close()
-		return nil, fmt.Errorf("upload %s: %s: %s: %w", path, resp.Status, msg, errNoRefs)
+		err := fmt.Errorf("upload %s: %s: %s", path, resp.Status, msg)
+		switch resp.StatusCode {
+		case http.StatusNotFound, http.StatusMethodNotAllowed, http.StatusNotImplemented:
+			// A cryo without the route (or without the session: its
+			// plain upload says so again).
+			err = fmt.Errorf("%w: %w", err, errNoRefs)
+		}
+		return nil, err
 	}
 	if br.Buffered() > 0 {
 		conn.Close()
 		return nil, fmt.Errorf("upload %s: cryo sent %d bytes before any frame", path, br.Buffered())
 	}
 	u := &RefUpload{conn: conn, finished: make(chan struct{})}
-	go u.readAnswers()
+	// A cancelled upload ends its connection, which unblocks a send
+	// stuck on a cryo that stopped reading.
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	go func() {
+		u.readAnswers()
+		stop()
+	}()
 	return u, nil
 }
 
@@ -314,7 +328,10 @@ func (r *refReader) fill() error {
 		r.off = 0
 	}
 	oob := make([]byte, unix.CmsgSpace(4*4))
-	n, oobn, _, _, err := r.conn.ReadMsgUnix(r.buf[r.end:], oob)
+	n, oobn, flags, _, err := r.conn.ReadMsgUnix(r.buf[r.end:], oob)
+	if flags&unix.MSG_CTRUNC != 0 && err == nil {
+		err = errors.New("more fds than one frame passes")
+	}
 	if oobn > 0 {
 		msgs, perr := unix.ParseSocketControlMessage(oob[:oobn])
 		for _, m := range msgs {
@@ -327,6 +344,11 @@ func (r *refReader) fill() error {
 		}
 	}
 	r.end += n
+	if len(r.fds) > 1 && err == nil {
+		// An F frame's fd comes with the frame's first byte: two not
+		// yet taken are a gofer passing fds no frame names.
+		err = errors.New("fds passed without their frames")
+	}
 	if n == 0 && err == nil {
 		err = io.ErrUnexpectedEOF
 	}
@@ -414,11 +436,11 @@ func (r *refReader) frame() error {
 			if l == 0 || off+l < off || off+l > r.sizes[h] {
 				return fmt.Errorf("reference upload: range [%d,+%d) outside file %d's %d bytes", off, l, h, r.sizes[h])
 			}
+			if l > maxRefFrame-total {
+				return fmt.Errorf("reference upload: a frame of over %d bytes", maxRefFrame)
+			}
 			total += l
 			r.ranges = append(r.ranges, [2]uint64{off, l})
-		}
-		if total > maxRefFrame {
-			return fmt.Errorf("reference upload: a frame of %d bytes (at most %d)", total, maxRefFrame)
 		}
 		r.cur = f
 		return nil

@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"net"
+	"net/http"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -170,5 +173,36 @@ func BenchmarkRefUpload(b *testing.B) {
 		if _, err := u.Finish(); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// TestRefUploadAnOlderCryoRefuses checks that a cryo without the
+// reference route answers in a way the gofer takes for "plain uploads
+// only", without its plain upload route seeing a request.
+func TestRefUploadAnOlderCryoRefuses(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "s")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sink := &readSink{sums: map[string][32]byte{}}
+	mux := http.NewServeMux()
+	mux.HandleFunc("PUT /v1/checkpoints/{id}/files/{path...}", func(w http.ResponseWriter, r *http.Request) {
+		sink.AddFile(r.Context(), r.PathValue("path"), FileMode, r.Body)
+		w.WriteHeader(http.StatusCreated)
+	})
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	defer srv.Close()
+	c := NewClient(sock, "c", testIndex, 0)
+	defer c.Close()
+	_, err = c.UploadRefs(context.Background(), "pages.img")
+	if !IsNoRefs(err) {
+		t.Fatalf("UploadRefs to an older cryo: %v, want a refusal IsNoRefs takes", err)
+	}
+	sink.mu.Lock()
+	defer sink.mu.Unlock()
+	if len(sink.sums) != 0 {
+		t.Fatal("the older cryo's plain upload took a file")
 	}
 }

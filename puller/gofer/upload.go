@@ -37,29 +37,37 @@ const FileMode fs.FileMode = 0o644
 // RegisterUploads adds the upload API to mux: plain uploads (the file's
 // bytes as the body) and reference uploads (RefsProtocol).
 func RegisterUploads(mux *http.ServeMux, lookup SinkLookup) {
-	mux.HandleFunc("PUT /v1/checkpoints/{id}/files/{path...}", func(w http.ResponseWriter, r *http.Request) {
+	mux.HandleFunc("PUT /v1/checkpoints/{id}/refs/{path...}", func(w http.ResponseWriter, r *http.Request) {
 		sink, ok := lookup(r.PathValue("id"))
 		if !ok {
 			http.Error(w, "no checkpoint "+r.PathValue("id"), http.StatusNotFound)
 			return
 		}
-		if r.Header.Get("Upgrade") == RefsProtocol {
-			hj, ok := w.(http.Hijacker)
-			if !ok {
-				http.Error(w, "reference uploads need HTTP/1.1", http.StatusBadRequest)
-				return
-			}
-			conn, rw, err := hj.Hijack()
-			if err != nil {
-				return
-			}
-			uc, ok := conn.(*net.UnixConn)
-			if !ok || rw.Reader.Buffered() > 0 {
-				// Frames only follow the 101; fds only cross a unix socket.
-				conn.Close()
-				return
-			}
-			serveRefs(r.Context(), uc, sink, r.PathValue("path"))
+		if r.Header.Get("Upgrade") != RefsProtocol || r.ContentLength != 0 {
+			http.Error(w, "a reference upload is an upgrade to "+RefsProtocol+" without a body", http.StatusBadRequest)
+			return
+		}
+		hj, ok := w.(http.Hijacker)
+		if !ok {
+			http.Error(w, "reference uploads need HTTP/1.1", http.StatusBadRequest)
+			return
+		}
+		conn, rw, err := hj.Hijack()
+		if err != nil {
+			return
+		}
+		uc, ok := conn.(*net.UnixConn)
+		if !ok || rw.Reader.Buffered() > 0 {
+			// Frames only follow the 101; fds only cross a unix socket.
+			conn.Close()
+			return
+		}
+		serveRefs(r.Context(), uc, sink, r.PathValue("path"))
+	})
+	mux.HandleFunc("PUT /v1/checkpoints/{id}/files/{path...}", func(w http.ResponseWriter, r *http.Request) {
+		sink, ok := lookup(r.PathValue("id"))
+		if !ok {
+			http.Error(w, "no checkpoint "+r.PathValue("id"), http.StatusNotFound)
 			return
 		}
 		n, err := sink.AddFile(r.Context(), r.PathValue("path"), FileMode, r.Body)
@@ -237,7 +245,7 @@ func (h *handoff) WriteTo(w io.Writer) (int64, error) {
 		n, err := w.Write(h.cur)
 		total += int64(n)
 		h.cur = nil
-		h.acks <- err
+		h.ack(err)
 		if err != nil {
 			return total, err
 		}
@@ -252,7 +260,7 @@ func (h *handoff) WriteTo(w io.Writer) (int64, error) {
 		}
 		n, err := w.Write(p)
 		total += int64(n)
-		h.acks <- err
+		h.ack(err)
 		if err != nil {
 			return total, err
 		}
@@ -271,7 +279,15 @@ func (h *handoff) Read(b []byte) (int, error) {
 	n := copy(b, h.cur)
 	h.cur = h.cur[n:]
 	if len(h.cur) == 0 {
-		h.acks <- nil
+		h.ack(nil)
 	}
 	return n, nil
+}
+
+// ack answers the slice taken last, unless its writer gave up on the body.
+func (h *handoff) ack(err error) {
+	select {
+	case h.acks <- err:
+	case <-h.gone:
+	}
 }
