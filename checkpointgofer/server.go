@@ -319,7 +319,8 @@ func (w *writer) Finalize() error {
 }
 
 // Close implements stateio.AsyncWriter.Close. A file not finalized is
-// aborted first (a write blocked on the connection returns at once):
+// aborted first (a write waiting for cryo returns once cryo reads again
+// or the request ends):
 // cryo drops it, and the snapshot is never tagged.
 func (w *writer) Close() error {
 	if w.queue != nil {

@@ -244,7 +244,11 @@ func (u *RefUpload) readAnswers() {
 			}
 			msg := make([]byte, min(binary.LittleEndian.Uint32(b[:]), 4096))
 			io.ReadFull(r, msg)
-			fail(fmt.Errorf("cryo: %s", msg))
+			// cryo's word is the file's error, even when a write of
+			// ours already failed on the connection it closed.
+			cerr := fmt.Errorf("reference upload: cryo: %s", msg)
+			fail(cerr)
+			u.err = cerr
 			return
 		default:
 			fail(fmt.Errorf("cryo sent frame %q", kind))
