@@ -57,7 +57,11 @@ const (
 type RefUpload struct {
 	conn *net.UnixConn
 
-	mu      sync.Mutex // the connection's write side and pending
+	// wmu orders writes to the connection; mu guards pending and broken
+	// and is never held across a write, so that acknowledgements are
+	// taken while a send waits on a cryo that is still reading.
+	wmu     sync.Mutex
+	mu      sync.Mutex
 	pending []func(error)
 	broken  error
 
@@ -135,19 +139,33 @@ func IsNoRefs(err error) bool { return errors.Is(err, errNoRefs) }
 // it returns the file's handle. The fd is the caller's still: the
 // kernel passes cryo a copy.
 func (u *RefUpload) Register(fd int, size uint64) (uint32, error) {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	if u.broken != nil {
-		return 0, u.broken
+	u.wmu.Lock()
+	defer u.wmu.Unlock()
+	if err := u.brokenErr(); err != nil {
+		return 0, err
 	}
 	h := u.next
 	u.next++
 	frame := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32([]byte{'F'}, h), size)
 	if _, _, err := u.conn.WriteMsgUnix(frame, unix.UnixRights(fd), nil); err != nil {
-		u.breakLocked(err)
-		return 0, u.broken
+		return 0, u.breakWith(err)
 	}
 	return h, nil
+}
+
+// brokenErr is the error that ended the upload, or nil.
+func (u *RefUpload) brokenErr() error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.broken
+}
+
+// breakWith ends the upload with err and returns the upload's error.
+func (u *RefUpload) breakWith(err error) error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.breakLocked(err)
+	return u.broken
 }
 
 // Send names the bytes at ranges ({offset, length}) of registered file
@@ -168,20 +186,25 @@ func (u *RefUpload) SendBytes(p []byte, done func(error)) {
 }
 
 func (u *RefUpload) send(head, body []byte, done func(error)) {
+	// Frames are queued in pending in the order they are written: wmu
+	// is held across both.
+	u.wmu.Lock()
+	defer u.wmu.Unlock()
 	u.mu.Lock()
-	defer u.mu.Unlock()
 	if u.broken != nil {
 		err := u.broken
+		u.mu.Unlock()
 		go done(err)
 		return
 	}
 	u.pending = append(u.pending, done)
+	u.mu.Unlock()
 	bufs := net.Buffers{head}
 	if len(body) > 0 {
 		bufs = append(bufs, body)
 	}
 	if _, err := bufs.WriteTo(u.conn); err != nil {
-		u.breakLocked(err)
+		u.breakWith(err)
 	}
 }
 
@@ -260,13 +283,13 @@ func (u *RefUpload) readAnswers() {
 // Finish ends the file and waits until cryo has packed it; it returns
 // the size cryo counted.
 func (u *RefUpload) Finish() (int64, error) {
-	u.mu.Lock()
-	if u.broken == nil {
+	u.wmu.Lock()
+	if u.brokenErr() == nil {
 		if _, err := u.conn.Write([]byte{'E'}); err != nil {
-			u.breakLocked(err)
+			u.breakWith(err)
 		}
 	}
-	u.mu.Unlock()
+	u.wmu.Unlock()
 	<-u.finished
 	return u.size, u.err
 }
@@ -283,6 +306,10 @@ func (u *RefUpload) Abort() {
 // bytes, read from the frames, go to sink.
 func serveRefs(ctx context.Context, conn *net.UnixConn, sink Sink, path string) {
 	defer conn.Close()
+	// A hijacked connection outlives its server's Close: the request's
+	// context ending (Session.Close cancels it) ends the stream.
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
 	if _, err := conn.Write([]byte("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: " + RefsProtocol + "\r\n\r\n")); err != nil {
 		return
 	}
@@ -320,6 +347,7 @@ type refReader struct {
 	ranges [][2]uint64
 	inline int
 	ended  bool
+	err    error // the first error Read returned
 }
 
 // fill reads more of the stream into buf, taking the fds it carries.
@@ -462,8 +490,20 @@ func (r *refReader) frame() error {
 	return fmt.Errorf("reference upload: unknown frame %q", kind)
 }
 
-// Read implements io.Reader: the file's bytes, frame after frame.
+// Read implements io.Reader: the file's bytes, frame after frame. Its
+// first error is its answer from then on: the stream is out of step.
 func (r *refReader) Read(p []byte) (int, error) {
+	if r.err != nil {
+		return 0, r.err
+	}
+	n, err := r.read(p)
+	if err != nil && err != io.EOF {
+		r.err = err
+	}
+	return n, err
+}
+
+func (r *refReader) read(p []byte) (int, error) {
 	if r.ended {
 		return 0, io.EOF
 	}

@@ -4,12 +4,17 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
+	"io"
+	"io/fs"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -125,7 +130,7 @@ func TestRefUploadRefusesRangesOutsideTheFile(t *testing.T) {
 // TestRefUploadAbortDropsTheFile checks that a stream cut before its end
 // never reaches the sink as a whole file.
 func TestRefUploadAbortDropsTheFile(t *testing.T) {
-	sink := &readSink{sums: map[string][32]byte{}}
+	sink := &endSink{Sink: &readSink{sums: map[string][32]byte{}}, ended: make(chan error, 1)}
 	c := startUploads(t, sink)
 	u, err := c.UploadRefs(context.Background(), "pages.img")
 	if err != nil {
@@ -138,9 +143,23 @@ func TestRefUploadAbortDropsTheFile(t *testing.T) {
 	if _, err := u.Finish(); err == nil {
 		t.Fatal("Finish after Abort succeeded")
 	}
-	if _, ok := sink.sums["pages.img"]; ok {
+	// The server's side ends on its own time: wait for the sink.
+	if err := <-sink.ended; err == nil {
 		t.Fatal("the sink took an aborted file whole")
 	}
+}
+
+// endSink passes AddFile to Sink and sends its error on ended when it
+// returns.
+type endSink struct {
+	Sink
+	ended chan error
+}
+
+func (s *endSink) AddFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error) {
+	n, err := s.Sink.AddFile(ctx, path, mode, r)
+	s.ended <- err
+	return n, err
 }
 
 // BenchmarkRefUpload streams 256 MiB of a memfd as references, in 1 MiB
@@ -204,5 +223,98 @@ func TestRefUploadAnOlderCryoRefuses(t *testing.T) {
 	defer sink.mu.Unlock()
 	if len(sink.sums) != 0 {
 		t.Fatal("the older cryo's plain upload took a file")
+	}
+}
+
+// TestSessionCloseEndsReferenceUploads starts a reference upload on a
+// session's socket, closes the session halfway through the file, and
+// checks that the upload ends with an error and the sink's reader with
+// it. http.Server.Close forgets hijacked connections: before the session
+// cancelled its requests' context, the stream stayed open and both sides
+// waited forever.
+func TestSessionCloseEndsReferenceUploads(t *testing.T) {
+	sink := &readSink{sums: map[string][32]byte{}}
+	mux := http.NewServeMux()
+	RegisterUploads(mux, func(id string) (Sink, bool) { return sink, id == "c" })
+	s, err := StartSession(t.TempDir(), filepath.Join(t.TempDir(), "runsc"), mux)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	t.Cleanup(func() {
+		if !closed {
+			s.Close()
+		}
+	})
+	c := NewClient(s.Socket, "c", testIndex, 30*time.Second)
+	t.Cleanup(c.Close)
+	u, err := c.UploadRefs(context.Background(), "pages.img")
+	if err != nil {
+		t.Fatal(err)
+	}
+	acked := make(chan error, 1)
+	u.SendBytes([]byte("the first half"), func(err error) { acked <- err })
+	if err := <-acked; err != nil {
+		t.Fatalf("first frame: %v", err)
+	}
+	closed = true
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	finished := make(chan error, 1)
+	go func() {
+		_, err := u.Finish()
+		finished <- err
+	}()
+	select {
+	case err := <-finished:
+		if err == nil {
+			t.Fatal("a reference upload cut by Session.Close finished without an error")
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("a reference upload still open 20 s after its session closed")
+	}
+	sink.mu.Lock()
+	defer sink.mu.Unlock()
+	if _, ok := sink.sums["pages.img"]; ok {
+		t.Fatal("the sink took the cut file as whole")
+	}
+}
+
+// TestRefReaderErrorsStick feeds a reference stream a frame naming a
+// file never passed, then a valid inline frame, and checks that the
+// reader keeps answering its first error: after a bad frame the stream
+// is out of step, and bytes read past it would be packed as the file's.
+func TestRefReaderErrorsStick(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := func(fd int) *net.UnixConn {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		defer f.Close()
+		c, err := net.FileConn(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c.(*net.UnixConn)
+	}
+	ours, theirs := conn(fds[0]), conn(fds[1])
+	bad := binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32([]byte{'R'}, 7), 1)
+	bad = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(bad, 0), 4096)
+	good := append(binary.LittleEndian.AppendUint32([]byte{'D'}, 5), "bytes"...)
+	if _, err := theirs.Write(append(bad, good...)); err != nil {
+		t.Fatal(err)
+	}
+	r := &refReader{conn: ours, files: map[uint32]*os.File{}}
+	defer r.closeFiles()
+	p := make([]byte, 64)
+	_, first := r.Read(p)
+	if first == nil {
+		t.Fatal("a frame naming a file never passed was read")
+	}
+	if n, err := r.Read(p); err != first || n != 0 {
+		t.Fatalf("read after an error: %d bytes %q, %v; want 0, %v", n, p[:n], err, first)
 	}
 }

@@ -1,6 +1,7 @@
 package gofer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -20,6 +21,9 @@ type Session struct {
 	// the API's socket.
 	Dir, Sidecars, Socket string
 	srv                   *http.Server
+	// stop cancels the context of every request, hijacked connections'
+	// included (http.Server.Close forgets those).
+	stop context.CancelFunc
 }
 
 // StartSession makes a session for the runsc at runsc and cryo's gofer in
@@ -39,7 +43,9 @@ func StartSession(goferDir, runsc string, h http.Handler) (*Session, error) {
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("gofer socket %s (a unix socket path must be short: set TMPDIR to a short dir): %w", s.Socket, err)
 	}
-	s.srv = &http.Server{Handler: h}
+	ctx, stop := context.WithCancel(context.Background())
+	s.stop = stop
+	s.srv = &http.Server{Handler: h, BaseContext: func(net.Listener) context.Context { return ctx }}
 	go s.srv.Serve(ln)
 	return s, nil
 }
@@ -47,7 +53,9 @@ func StartSession(goferDir, runsc string, h http.Handler) (*Session, error) {
 // Env is the variable that points runsc at the session's sidecar dir.
 func (s *Session) Env() string { return "GVISOR_SIDECAR_BINARIES_DIR=" + s.Sidecars }
 
-// Close stops serving and removes the session's dir.
+// Close stops serving, ends the requests in flight (reference uploads
+// included) and removes the session's dir.
 func (s *Session) Close() error {
+	s.stop()
 	return errors.Join(s.srv.Close(), os.RemoveAll(s.Dir))
 }

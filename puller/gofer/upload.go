@@ -89,12 +89,17 @@ type Upload struct {
 	err  error
 	size int64
 	once sync.Once
+	// cancel ends the request: a body write blocked on a server that
+	// stopped reading fails with it.
+	cancel context.CancelFunc
 }
 
 // Upload starts streaming the file at path to checkpoint session id.
 func (c *Client) Upload(ctx context.Context, path string) *Upload {
-	u := &Upload{body: newHandoff(), done: make(chan struct{})}
+	ctx, cancel := context.WithCancel(ctx)
+	u := &Upload{body: newHandoff(), done: make(chan struct{}), cancel: cancel}
 	go func() {
+		defer cancel()
 		defer close(u.done)
 		u.err = c.put(ctx, path, u.body, &u.size)
 		u.body.CloseWithError(fmt.Errorf("upload of %s ended: %w", path, u.errOr()))
@@ -147,9 +152,10 @@ func (u *Upload) Finish() (int64, error) {
 }
 
 // Abort ends the upload with err: the server gets a cut stream and drops
-// the file.
+// the file. It does not wait for a server that stopped reading.
 func (u *Upload) Abort(err error) {
 	u.once.Do(func() { u.body.CloseWithError(err) })
+	u.cancel()
 	<-u.done
 }
 
