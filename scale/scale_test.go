@@ -23,14 +23,16 @@ type pushResult struct {
 		LogicalBytes  int64 `json:"logicalBytes"`
 		StoredBytes   int64 `json:"storedBytes"`
 		UploadedBytes int64 `json:"uploadedBytes"`
+		ComposedBytes int64 `json:"composedBytes"`
 	} `json:"stats"`
 	ChunkIndexHits int `json:"chunkIndexHits"`
 }
 
-// push runs `cryo push --json DIR REF` and returns what it uploaded.
-func push(t *testing.T, cryo, dir, ref string) pushResult {
+// push runs `cryo push --json [FLAGS] DIR REF` and returns what it
+// uploaded.
+func push(t *testing.T, cryo, dir, ref string, flags ...string) pushResult {
 	t.Helper()
-	out, err := exec.Command(cryo, "push", "--json", dir, ref).Output()
+	out, err := exec.Command(cryo, append(append([]string{"push", "--json"}, flags...), dir, ref)...).Output()
 	if err != nil {
 		t.Fatalf("cryo push %s: %v\n%s", ref, err, stderrOf(err))
 	}

@@ -30,7 +30,8 @@ type PushOptions struct {
 	// repository whose packs the new one may reference, storing only the
 	// chunks the base lacks. Empty: the tag pushed to, if it names a v2
 	// snapshot, else the v2 snapshot the registry stored last in the
-	// repository (SPEC.md 12.6). Only for Pack.Format V2.
+	// repository (SPEC.md 12.6), else the newest v2 snapshot among the
+	// repository's last tags (SPEC.md 15.4). Only for Pack.Format V2.
 	Base string
 	// NoBase turns the base off: every chunk goes into new packs.
 	NoBase bool
@@ -76,8 +77,10 @@ func Push(ctx context.Context, dir string, repo *remote.Repository, tag string, 
 // format v2 push and returns the base's descriptor, or nil if there is
 // none. The base is the snapshot opts.Base names; by default, the v2
 // snapshot tag names now, else the v2 snapshot the registry says it stored
-// last in the repository (SPEC.md 12.6), so that a pause pushed under a
-// new tag still references the packs of the one before. A base is only
+// last in the repository (SPEC.md 12.6), else, on a registry that cannot
+// say, the newest v2 snapshot among the repository's last tags, so that a
+// pause pushed under a new tag still references the packs of the one
+// before. A base is only
 // ever taken from the repository pushed to: a pack holds other chunks of
 // the snapshot it was made for, and the new snapshot's readers may read
 // every pack it lists.
@@ -115,15 +118,27 @@ func useBase(ctx context.Context, repo *remote.Repository, tag string, opts Push
 			return nil, explain(fmt.Errorf("base %s: %w", tag, err), repo)
 		}
 	}
-	if opts.NoChunkIndex {
-		return nil, nil
+	if !opts.NoChunkIndex {
+		desc, err := api.LatestSnapshot(ctx, repo.Client, BaseURL(repo), repo.Reference.Repository)
+		switch {
+		case err == nil:
+			snap, err := format.LoadSnapshot(ctx, repo, desc)
+			if err != nil || snap.Version != format.V2 {
+				return nil, nil
+			}
+			if base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts); err == nil {
+				return base, nil
+			}
+			return nil, nil
+		case errors.Is(err, api.ErrNoBase):
+			// cryo's registry knows the repository holds no v2 snapshot.
+			return nil, nil
+		}
 	}
-	desc, err := api.LatestSnapshot(ctx, repo.Client, BaseURL(repo), repo.Reference.Repository)
-	if err != nil {
-		return nil, nil
-	}
-	snap, err := format.LoadSnapshot(ctx, repo, desc)
-	if err != nil || snap.Version != format.V2 {
+	// A registry without the extension: the newest v2 snapshot among the
+	// repository's last tags.
+	desc, snap, ok := newestTaggedV2(ctx, repo, tag)
+	if !ok {
 		return nil, nil
 	}
 	if base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts); err == nil {

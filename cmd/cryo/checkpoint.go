@@ -31,8 +31,8 @@ which streams checkpoint.img, pages_meta.img and pages.img to this process
 as the sentry writes them. They are chunked, hashed, checked against the
 registry's chunk index and pushed while the sentry writes: no copy of the
 sandbox's memory goes to local disk, and a second checkpoint of mostly the
-same memory uploads only what changed (with --format v2, little more than
-the pages that changed). The snapshot is tagged REF only once
+same memory uploads little more than the pages that changed (format v2,
+the default). The snapshot is tagged REF only once
 runsc checkpoint succeeded and every blob and manifest is in the registry;
 an interrupted checkpoint leaves no tag.
 

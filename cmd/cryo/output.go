@@ -40,9 +40,9 @@ type formatOptions struct {
 
 // register adds --format (and, if withBase, --base and --no-base).
 func (o *formatOptions) register(cmd *cobra.Command, withBase bool) {
-	cmd.Flags().StringVar(&o.version, "format", "v1", `snapshot format: v1 (a blob per 1 MiB chunk, read by every cryo) or v2 (64 KiB chunks in 4 MiB packs read by byte range: dedups a second checkpoint of the same app far better; needs cryo with format v2 to read)`)
+	cmd.Flags().StringVar(&o.version, "format", "v2", `snapshot format: v2 (64 KiB chunks in 4 MiB packs read by byte range: a second checkpoint of the same app stores little more than what changed) or v1 (a blob per 1 MiB chunk: for pullers of a cryo older than format v2, which refuse v2)`)
 	if withBase {
-		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now, else the v2 snapshot the registry stored last in the repository)")
+		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now, else the v2 snapshot the registry stored last in the repository, else the newest v2 snapshot among its last 16 tags)")
 		cmd.Flags().BoolVar(&o.noBase, "no-base", false, "v2: reference no earlier snapshot's packs; store every chunk anew")
 	}
 }

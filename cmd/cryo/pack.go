@@ -35,8 +35,11 @@ tags the snapshot index. Packing the same dir twice gives the same digest.`,
 			if err != nil {
 				return err
 			}
-			if !cmd.Flags().Changed("chunk-size") && opts.Format == format.V2 {
-				avg = format.DefaultAvgChunkSizeV2
+			if avg == 0 {
+				avg = format.DefaultAvgChunkSize
+				if opts.Format == format.V2 {
+					avg = format.DefaultAvgChunkSizeV2
+				}
 			}
 			switch chunking {
 			case chunker.PageCDC:
@@ -85,7 +88,7 @@ tags the snapshot index. Packing the same dir twice gives the same digest.`,
 	f.StringVar(&tag, "tag", transfer.DefaultTag, "tag of the snapshot in the layout")
 	f.StringVar(&created, "created", "", "creation time to record (RFC 3339); default: the checkpoint's own timestamp")
 	f.StringVar(&chunking, "chunking", chunker.PageCDC, "chunking algorithm: page-cdc or fixed")
-	f.IntVar(&avg, "chunk-size", format.DefaultAvgChunkSize, "mean chunk size in bytes (page-cdc: min size/4, max size*4; default 65536 with --format v2)")
+	f.IntVar(&avg, "chunk-size", 0, "mean chunk size in bytes (page-cdc: min size/4, max size*4; default 65536 for format v2, 1048576 for v1)")
 	fo.register(cmd, false)
 	f.IntVar(&concurrency, "concurrency", 0, "chunks encoded and stored at once (default 4 x GOMAXPROCS)")
 	f.BoolVar(&asJSON, "json", false, "print the result as JSON")

@@ -23,23 +23,28 @@ func newPushCmd() *cobra.Command {
 		Use:   "push DIR REF",
 		Short: "Pack a checkpoint image dir straight into a registry",
 		Long: `Push chunks and encodes the image dir DIR on the fly (no copy of the image on
-disk) and uploads, in parallel, only the chunk blobs the registry does not
-have: it asks a cryo registry's chunk index first (a chunk stored there in
-another encoding or repository is reused), then checks each blob with HEAD.
-The snapshot index is pushed last and tagged, so an interrupted push leaves no
-visible snapshot; pushing again uploads only what is still missing.
+disk) and uploads, in parallel, only what the registry does not have yet.
+The snapshot index is pushed last and tagged, so an interrupted push leaves
+no visible snapshot; pushing again uploads only what is still missing.
 
-With --format v2, chunks are small (64 KiB mean) and new ones go into 4 MiB
-packs; chunks an earlier v2 snapshot of the same repository holds (--base;
-by default the snapshot the tag names now, else, on cryo's registry, the v2
-snapshot pushed last to the repository) are referenced where they lie, so a
-second checkpoint of the same app uploads little more than what changed,
-under the same tag or a new one.
+In format v2 (the default), chunks are small (64 KiB mean) and new ones go
+into 4 MiB packs; chunks an earlier v2 snapshot of the same repository
+holds are referenced where they lie, so a second checkpoint of the same app
+uploads little more than what changed, under the same tag or a new one.
+That earlier snapshot, the base, is --base, else the snapshot the tag names
+now, else, on cryo's registry, the v2 snapshot pushed last to the
+repository, else, on other registries, the newest v2 snapshot among the
+repository's last 16 tags (in natural order: pause-9 before pause-10).
 Packs are never shared across repositories: a pack holds other chunks of
 the snapshot it was made for. Instead, before uploading a new pack, cryo
 asks a cryo registry to compose it from chunks it already holds in
 repositories you may pull from; the registry copies, verified, only the
 frames of the chunks named, into a new pack of this repository.
+
+In format v1 (--format v1, for pullers older than format v2), each 1 MiB
+chunk is a blob: cryo asks a cryo registry's chunk index first (a chunk
+stored there in another encoding or repository is reused), then checks
+each blob with HEAD.
 
 REF is host[:port]/repository[:tag] (default tag "latest"). Credentials come
 from Docker's config and credential helpers (see cryo login), or -u with
@@ -78,7 +83,7 @@ from Docker's config and credential helpers (see cryo login), or -u with
 	ro.register(cmd)
 	fo.register(cmd, true)
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "chunks packed and uploaded at once (default 4 x GOMAXPROCS)")
-	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not use cryo's registry extensions: no chunk index lookups (v1), no pack composition and no latest-snapshot base (v2); HEAD each blob, upload what is missing")
+	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not use cryo's registry extensions: no chunk index lookups (v1), no pack composition, and a base found among the tags instead of asked for (v2); HEAD each blob, upload what is missing")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }
