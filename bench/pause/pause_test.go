@@ -41,7 +41,7 @@ import (
 
 var (
 	sizesFlag  = flag.String("sizes", "256,1024", "app memory sizes in MiB")
-	formatFlag = flag.String("format", "v1", "comma-separated snapshot formats of cryo push and cryo checkpoint")
+	formatFlag = flag.String("format", "v2", "comma-separated snapshot formats of cryo push and cryo checkpoint")
 )
 
 // toDiskReps is how many times each checkpoint is taken to local disk with

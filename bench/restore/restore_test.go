@@ -27,7 +27,7 @@ var (
 	shapedRep = flag.Int("shaped-reps", 1, "repetitions on each shaped link")
 	linksFlag = flag.String("links", "loopback,1gbit-5ms,100mbit-25ms", "links: loopback and/or shaped NAME-RTT with NAME 1gbit or 100mbit")
 	chartFlag = flag.String("chart", "", "write a PNG bar chart of the loopback results here")
-	formatFl  = flag.String("format", "v1", "snapshot formats cryo pushes, comma-separated (v1, v2): the cold cryo paths run once for each, side by side")
+	formatFl  = flag.String("format", "v2", "snapshot formats cryo pushes, comma-separated (v1, v2): the cold cryo paths run once for each, side by side")
 	regRoot   = flag.String("registry-root", "", "the registry's storage root (default: a temp dir); on tmpfs (/dev/shm/...) the registry, remote in real use, does not share the node's disk")
 )
 
