@@ -126,10 +126,11 @@ func useBase(ctx context.Context, repo *remote.Repository, tag string, opts Push
 			if err != nil || snap.Version != format.V2 {
 				return nil, nil
 			}
-			if base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts); err == nil {
-				return base, nil
+			base, err := loadBase(ctx, repo, desc, snap, desc.Digest.String(), popts)
+			if err != nil {
+				return nil, nil
 			}
-			return nil, nil
+			return base, nil
 		case errors.Is(err, api.ErrNoBase):
 			// cryo's registry knows the repository holds no v2 snapshot.
 			return nil, nil

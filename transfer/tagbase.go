@@ -45,6 +45,7 @@ func newestTaggedV2(ctx context.Context, repo *remote.Repository, skip string) (
 	if err != nil && !errors.Is(err, errEnoughTags) {
 		return ocispec.Descriptor{}, nil, false
 	}
+	tags = tags[:min(len(tags), maxTagsListed)]
 	tags = slices.DeleteFunc(tags, func(t string) bool { return t == skip })
 	slices.SortFunc(tags, naturalCompare)
 	tags = tags[max(0, len(tags)-tagCandidates):]
