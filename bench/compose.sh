@@ -7,14 +7,20 @@
 # repositories").
 #
 #   bash bench/compose.sh bin/cryo [/path/to/other/cryo ...]
+#
+# CRYO_BENCH_DIR (the images are made once there and kept), _SIZE, _KIND,
+# _REWRITE and _EDIT choose other images.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${CRYO_BENCH_DIR:-/tmp/cryo-compose-bench}
 size=${CRYO_BENCH_SIZE:-1073741824}
+kind=${CRYO_BENCH_KIND:-text}         # content of the first image: text, halfzero, random
+rewrite=${CRYO_BENCH_REWRITE:-0.1}    # share of its pages the second rewrites
+edit=${CRYO_BENCH_EDIT:-text}         # content of the rewritten pages
 mkdir -p "$work"
 img=$work/img img2=$work/img2
-[ -d "$img" ] || go run ./bench/mkimage -kind text -size "$size" -seed 1 "$img"
-[ -d "$img2" ] || go run ./bench/mkimage -from "$img" -rewrite 0.1 -indels 16 -kind text -seed 2 "$img2"
+[ -d "$img" ] || go run ./bench/mkimage -kind "$kind" -size "$size" -seed 1 "$img"
+[ -d "$img2" ] || go run ./bench/mkimage -from "$img" -rewrite "$rewrite" -indels 16 -kind "$edit" -seed 2 "$img2"
 cpu() { awk '{printf "%.2f", ($14+$15)/100}' "/proc/$1/stat"; }
 for bin in "$@"; do
 	name=$(basename "$bin")

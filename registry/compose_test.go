@@ -465,3 +465,53 @@ func TestComposeFailureFallsBack(t *testing.T) {
 	}
 	pullsBack(t, b, "v1", src)
 }
+
+// TestComposeFindsNeighborPacks pushes a snapshot to repository a, then a
+// copy of it with pages rewritten to repository c. The rewrites change the
+// sizes of frames, so c's packs are cut elsewhere than a's: each asks for
+// the tail of one of a's packs and the head of the next, and a tail may
+// hold no anchor. The packs next to those the anchors find (their lists'
+// neighbors) hold those chunks: c uploads no more than the frames of
+// chunks a does not have.
+func TestComposeFindsNeighborPacks(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	src := testenv.ImageDir(t, synth.HalfZero, 32<<20, 5)
+	a, tag := reg.repo(t, "a:v1")
+	first, err := transfer.Push(ctx, src, a, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	changed := filepath.Join(t.TempDir(), "changed")
+	mutateImage(t, src, changed, 0.05)
+	c, tag := reg.repo(t, "c:v1")
+	res, err := transfer.Push(ctx, changed, c, tag, v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	had := map[digest.Digest]bool{}
+	for _, tab := range snapshotTables(t, a, first.Descriptor) {
+		for _, ch := range tab.Chunks {
+			had[ch.Digest] = true
+		}
+	}
+	var newBytes int64
+	counted := map[digest.Digest]bool{}
+	for _, tab := range snapshotTables(t, c, res.Descriptor) {
+		for _, ch := range tab.Chunks {
+			if ch.Packed() && !had[ch.Digest] && !counted[ch.Digest] {
+				counted[ch.Digest] = true
+				newBytes += ch.BlobSize
+			}
+		}
+	}
+	t.Logf("c: %d bytes uploaded, %d composed in %d packs; frames of chunks a lacks: %d bytes", res.Stats.UploadedBytes, res.Stats.ComposedBytes, res.Stats.PacksComposed, newBytes)
+	if newBytes == 0 {
+		t.Fatal("the rewritten copy has no chunk the first lacks: the test rewrites nothing")
+	}
+	if res.Stats.UploadedBytes > newBytes+newBytes/20 {
+		t.Errorf("c uploaded %d bytes, want at most the %d bytes of frames of chunks a lacks (+5%%): chunks a holds were not found", res.Stats.UploadedBytes, newBytes)
+	}
+	packsHoldOnlyTheirFrames(t, snapshotTables(t, c, res.Descriptor))
+	pullsBack(t, c, tag, changed)
+}

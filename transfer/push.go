@@ -115,7 +115,9 @@ func useBase(ctx context.Context, repo *remote.Repository, tag string, opts Push
 				return loadBase(ctx, repo, desc, snap, tag, popts)
 			}
 		} else if !errors.Is(err, errdef.ErrNotFound) {
-			return nil, explain(fmt.Errorf("base %s: %w", tag, err), repo)
+			// Not a base the user named: the tag is looked up to find
+			// one, so say that, not "base TAG".
+			return nil, explain(fmt.Errorf("look up %s:%s (its snapshot would be the push's base): %w", repo.Reference.Repository, tag, err), repo)
 		}
 	}
 	if !opts.NoChunkIndex {

@@ -314,8 +314,8 @@ func Login(ctx context.Context, host, username, password string, opts ClientOpti
 	return nil
 }
 
-// explain adds a hint to errors that mean the registry wants credentials,
-// or that it failed on its side (a registry whose object store is down
+// explain adds a hint to errors that mean the registry cannot be reached,
+// that it wants credentials, or that it failed on its side (a registry whose object store is down
 // answers 500 to everything; its /readyz says why).
 func explain(err error, repo *remote.Repository) error {
 	if err == nil {
@@ -323,7 +323,10 @@ func explain(err error, repo *remote.Repository) error {
 	}
 	var resp *errcode.ErrorResponse
 	isResp := errors.As(err, &resp)
+	var netErr *net.OpError
 	switch {
+	case errors.As(err, &netErr) && netErr.Op == "dial":
+		return fmt.Errorf("%w\ncannot reach the registry %s: is it running, and are its address and scheme (--plain-http) right?", err, repo.Reference.Registry)
 	case errors.Is(err, auth.ErrBasicCredentialNotFound) || (isResp && resp.StatusCode == http.StatusUnauthorized):
 		return fmt.Errorf("%w\nunauthorized: %s needs credentials: run `cryo login %s`, or pass -u with --password-stdin or --password-file", err, repo.Reference.Registry, repo.Reference.Registry)
 	case isResp && (resp.StatusCode == http.StatusInternalServerError || resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusServiceUnavailable):

@@ -58,7 +58,15 @@ type packList struct {
 	Repositories []string      `json:"repositories"`
 	Size         int64         `json:"size"`
 	Frames       []listedFrame `json:"frames"`
+	// Neighbors are the packs that tables list right before or after
+	// this one in a file (at most maxNeighbors): a pusher whose packs are
+	// cut elsewhere than the earlier writer's asks for the tail of one
+	// pack and the head of the next, and the tail may hold no anchor.
+	Neighbors []digest.Digest `json:"neighbors,omitempty"`
 }
+
+// maxNeighbors bounds the neighbors a pack list records.
+const maxNeighbors = 8
 
 // maxRepositories bounds the repositories an anchor entry or a pack list
 // records: enough to find one the caller may pull from.
@@ -109,10 +117,20 @@ const (
 // a composition copies them.
 func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Repository, t *format.Table) error {
 	byPack := map[digest.Digest][]listedFrame{}
+	// neighbors are the packs before and after each in the file's
+	// order of chunks.
+	neighbors := map[digest.Digest][]digest.Digest{}
+	var last digest.Digest
 	for _, c := range t.Chunks {
-		if c.Packed() {
-			byPack[c.Blob] = append(byPack[c.Blob], listedFrame{Digest: c.Digest, Size: c.Size, Encoding: string(c.Encoding), Offset: c.PackOffset, Length: c.BlobSize})
+		if !c.Packed() {
+			continue
 		}
+		byPack[c.Blob] = append(byPack[c.Blob], listedFrame{Digest: c.Digest, Size: c.Size, Encoding: string(c.Encoding), Offset: c.PackOffset, Length: c.BlobSize})
+		if last != "" && last != c.Blob {
+			neighbors[last], _ = withNeighbor(neighbors[last], c.Blob)
+			neighbors[c.Blob], _ = withNeighbor(neighbors[c.Blob], last)
+		}
+		last = c.Blob
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(indexParallelism)
@@ -123,7 +141,7 @@ func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Re
 			continue
 		}
 		linked[p.Digest] = true
-		g.Go(func() error { return ci.mergePackList(gctx, repo, p, byPack[p.Digest]) })
+		g.Go(func() error { return ci.mergePackList(gctx, repo, p, byPack[p.Digest], neighbors[p.Digest]) })
 	}
 	type key struct{ chunk, pack digest.Digest }
 	seen := map[key]bool{}
@@ -138,10 +156,20 @@ func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Re
 	return g.Wait()
 }
 
-// mergePackList adds frames of pack p, linked in repo, to its list. Two
-// pushes merging at once may lose one's frames: a list is a hint, checked
-// at use, and the next push naming the pack adds them again.
-func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descriptor, frames []listedFrame) error {
+// withNeighbor returns packs with p added (unless it is there or packs is
+// full), and whether it changed.
+func withNeighbor(packs []digest.Digest, p digest.Digest) ([]digest.Digest, bool) {
+	if slices.Contains(packs, p) || len(packs) >= maxNeighbors {
+		return packs, false
+	}
+	return append(packs, p), true
+}
+
+// mergePackList adds frames and neighbors of pack p, linked in repo, to
+// its list. Two pushes merging at once may lose one's frames: a list is a
+// hint, checked at use, and the next push naming the pack adds them
+// again.
+func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descriptor, frames []listedFrame, neighbors []digest.Digest) error {
 	lp := PackListPath(p.Digest)
 	var list packList
 	changed := true
@@ -158,8 +186,14 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 				changed = true
 			}
 		}
+		for _, n := range neighbors {
+			var added bool
+			list.Neighbors, added = withNeighbor(list.Neighbors, n)
+			changed = changed || added
+		}
 	} else {
-		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames[:min(len(frames), maxListedFrames)]}
+		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames[:min(len(frames), maxListedFrames)],
+			Neighbors: neighbors[:min(len(neighbors), maxNeighbors)]}
 	}
 	if !changed {
 		return nil
@@ -369,8 +403,9 @@ func (s *frameSource) close() {
 }
 
 // find returns, for the chunks asked for, the frames the lists of the
-// packs their anchors name say hold them, at most composeCandidates per
-// chunk, from at most composeSources visible packs.
+// packs their anchors name say hold them, and then, while chunks are left
+// without one, the lists of those packs' neighbors: at most
+// composeCandidates per chunk, from at most composeSources visible packs.
 func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]source, error) {
 	ctx := s.ctx
 	wanted := make(map[digest.Digest]api.ComposeChunk, len(chunks))
@@ -380,6 +415,8 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 	out := map[digest.Digest][]source{}
 	packs := 0
 	seen := map[digest.Digest]bool{}
+	// found are the packs that gave frames, in the order found.
+	var found []*packList
 	for i, want := range chunks {
 		if !(isAnchor(want.Digest) || i == 0) || packs == composeSources {
 			continue
@@ -401,14 +438,39 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 				continue
 			}
 			seen[e.Digest] = true
-			n, err := s.addPack(e.Digest, e.Repositories, wanted, out)
+			list, n, err := s.addPack(e.Digest, e.Repositories, wanted, out)
 			if err != nil {
 				return nil, err
 			}
 			if n > 0 {
+				found = append(found, list)
 				if packs++; packs == composeSources {
 					break
 				}
+			}
+		}
+	}
+	// One hop to the neighbors of the packs found, while chunks are
+	// missing: the tail of the pack before the first anchor's, or the
+	// head of the one after the last's. At most composeSources lists are
+	// read.
+	reads := 0
+	for _, list := range found {
+		for _, nb := range list.Neighbors {
+			if packs == composeSources || reads == composeSources || len(out) == len(wanted) {
+				return out, nil
+			}
+			if seen[nb] || nb.Validate() != nil {
+				continue
+			}
+			seen[nb] = true
+			reads++
+			_, n, err := s.addPack(nb, nil, wanted, out)
+			if err != nil {
+				return nil, err
+			}
+			if n > 0 {
+				packs++
 			}
 		}
 	}
@@ -416,16 +478,20 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 }
 
 // addPack adds to out the frames of chunks wanted that pack's list names,
-// from the first of repos the caller may pull from that still links the
-// pack, and returns how many it added.
-func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[digest.Digest]api.ComposeChunk, out map[digest.Digest][]source) (int, error) {
+// from the first of repos (nil: the list's own) the caller may pull from
+// that still links the pack, and returns the list and how many frames it
+// added.
+func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[digest.Digest]api.ComposeChunk, out map[digest.Digest][]source) (*packList, int, error) {
 	data, err := s.ci.driver.GetContent(s.ctx, PackListPath(pack))
 	if err != nil {
-		return 0, nil
+		return nil, 0, nil
 	}
 	var list packList
 	if json.Unmarshal(data, &list) != nil {
-		return 0, nil
+		return nil, 0, nil
+	}
+	if repos == nil {
+		repos = list.Repositories
 	}
 	repo := ""
 	for _, r := range repos {
@@ -434,7 +500,7 @@ func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[dig
 		}
 		live, err := s.ci.linked(s.ctx, api.ChunkBlob{Repository: r, Digest: pack})
 		if err != nil {
-			return 0, err
+			return nil, 0, err
 		}
 		if live {
 			repo = r
@@ -442,7 +508,7 @@ func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[dig
 		}
 	}
 	if repo == "" {
-		return 0, nil
+		return nil, 0, nil
 	}
 	n := 0
 	for _, f := range list.Frames {
@@ -455,7 +521,7 @@ func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[dig
 			n++
 		}
 	}
-	return n, nil
+	return &list, n, nil
 }
 
 // copyable returns the first of sources whose frame, read into *frame, is
