@@ -466,26 +466,22 @@ func TestComposeFailureFallsBack(t *testing.T) {
 	pullsBack(t, b, "v1", src)
 }
 
-// TestComposeFindsNeighborPacks pushes a snapshot to repository a, then a
-// copy of it with pages rewritten to repository c. The rewrites change the
-// sizes of frames, so c's packs are cut elsewhere than a's: each asks for
-// the tail of one of a's packs and the head of the next, and a tail may
-// hold no anchor. The packs next to those the anchors find (their lists'
-// neighbors) hold those chunks: c uploads no more than the frames of
-// chunks a does not have.
-func TestComposeFindsNeighborPacks(t *testing.T) {
+// TestComposeUploadsOnlyWhatIsNew pushes a snapshot to repository a, then
+// changed copies of it to other repositories, whose packs the registry
+// composes from a's frames. Each must upload no more than the frames of
+// chunks a does not have:
+//   - scattered rewrites change the sizes of frames, so the copy's packs
+//     are cut elsewhere than a's: each asks for the tail of one of a's
+//     packs and the head of the next, and a tail may hold no anchor (the
+//     lists' neighbors find it);
+//   - a contiguous 2 MiB edit fills most of a pack or two: the unchanged
+//     chunks beside it, under half of such a pack, are composed too.
+func TestComposeUploadsOnlyWhatIsNew(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
 	src := testenv.ImageDir(t, synth.HalfZero, 32<<20, 5)
 	a, tag := reg.repo(t, "a:v1")
 	first, err := transfer.Push(ctx, src, a, tag, v2Push)
-	if err != nil {
-		t.Fatal(err)
-	}
-	changed := filepath.Join(t.TempDir(), "changed")
-	mutateImage(t, src, changed, 0.05)
-	c, tag := reg.repo(t, "c:v1")
-	res, err := transfer.Push(ctx, changed, c, tag, v2Push)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -495,23 +491,65 @@ func TestComposeFindsNeighborPacks(t *testing.T) {
 			had[ch.Digest] = true
 		}
 	}
-	var newBytes int64
-	counted := map[digest.Digest]bool{}
-	for _, tab := range snapshotTables(t, c, res.Descriptor) {
-		for _, ch := range tab.Chunks {
-			if ch.Packed() && !had[ch.Digest] && !counted[ch.Digest] {
-				counted[ch.Digest] = true
-				newBytes += ch.BlobSize
+	for _, tc := range []struct {
+		name   string
+		change func(t *testing.T, dst string)
+	}{
+		{"scattered", func(t *testing.T, dst string) { mutateImage(t, src, dst, 0.05) }},
+		{"contiguous", func(t *testing.T, dst string) { editImage(t, src, dst, 8<<20, 2<<20) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			changed := filepath.Join(t.TempDir(), "changed")
+			tc.change(t, changed)
+			c, tag := reg.repo(t, tc.name+":v1")
+			res, err := transfer.Push(ctx, changed, c, tag, v2Push)
+			if err != nil {
+				t.Fatal(err)
 			}
+			var newBytes int64
+			counted := map[digest.Digest]bool{}
+			for _, tab := range snapshotTables(t, c, res.Descriptor) {
+				for _, ch := range tab.Chunks {
+					if ch.Packed() && !had[ch.Digest] && !counted[ch.Digest] {
+						counted[ch.Digest] = true
+						newBytes += ch.BlobSize
+					}
+				}
+			}
+			t.Logf("%d bytes uploaded, %d composed in %d packs; frames of chunks a lacks: %d bytes", res.Stats.UploadedBytes, res.Stats.ComposedBytes, res.Stats.PacksComposed, newBytes)
+			if newBytes == 0 {
+				t.Fatal("the changed copy has no chunk the first lacks: the test changes nothing")
+			}
+			if res.Stats.UploadedBytes > newBytes+newBytes/20 {
+				t.Errorf("uploaded %d bytes, want at most the %d bytes of frames of chunks a lacks (+5%%): chunks a holds were uploaded again", res.Stats.UploadedBytes, newBytes)
+			}
+			packsHoldOnlyTheirFrames(t, snapshotTables(t, c, res.Descriptor))
+			pullsBack(t, c, tag, changed)
+		})
+	}
+}
+
+// editImage writes to dst the image dir src with n bytes of pages.img at
+// off overwritten with random pages.
+func editImage(t *testing.T, src, dst string, off, n int64) {
+	t.Helper()
+	if err := os.MkdirAll(dst, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{format.CheckpointFile, format.PagesMetaFile, format.PagesFile} {
+		data, err := os.ReadFile(filepath.Join(src, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if name == format.PagesFile {
+			p, err := synth.NewPages(synth.Random, 77)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.Fill(data[off:off+n], off/synth.PageSize)
+		}
+		if err := os.WriteFile(filepath.Join(dst, name), data, 0o644); err != nil {
+			t.Fatal(err)
 		}
 	}
-	t.Logf("c: %d bytes uploaded, %d composed in %d packs; frames of chunks a lacks: %d bytes", res.Stats.UploadedBytes, res.Stats.ComposedBytes, res.Stats.PacksComposed, newBytes)
-	if newBytes == 0 {
-		t.Fatal("the rewritten copy has no chunk the first lacks: the test rewrites nothing")
-	}
-	if res.Stats.UploadedBytes > newBytes+newBytes/20 {
-		t.Errorf("c uploaded %d bytes, want at most the %d bytes of frames of chunks a lacks (+5%%): chunks a holds were not found", res.Stats.UploadedBytes, newBytes)
-	}
-	packsHoldOnlyTheirFrames(t, snapshotTables(t, c, res.Descriptor))
-	pullsBack(t, c, tag, changed)
 }

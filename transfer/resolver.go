@@ -71,10 +71,14 @@ type packComposer struct {
 // push stops asking.
 const composeFailures = 3
 
-// composeMinDivisor sets the least share of a pack's bytes (1/2) a
-// composition must cover to be made: a pack split into a composed and an
-// uploaded part costs readers two requests where one would do.
-const composeMinDivisor = 2
+// composeMinDivisor sets the least share of a pack's bytes (1/8, 512 KiB
+// of a 4 MiB pack) a composition must cover to be made: a pack split into
+// a composed and an uploaded part costs readers two requests where one
+// would do, but a pack that holds a contiguous edit among unchanged
+// chunks (a pause's rewritten heap) is mostly new, and uploading its
+// unchanged part too cost a cross-repository push as much again as the
+// edit (SPEC.md 15.4).
+const composeMinDivisor = 8
 
 func (pc *packComposer) ComposePack(ctx context.Context, chunks []format.Chunk, packSize int64) (map[digest.Digest]format.Chunk, error) {
 	if pc.disabled.Load() || len(chunks) > api.MaxComposeChunks {
