@@ -57,6 +57,10 @@ type Options struct {
 	// files (default 256 MiB); files beyond it are served lazily, like
 	// pages.img, so no snapshot can make the puller hold more.
 	SmallFilesCap int64
+	// PrefetchAhead bounds the bytes of chunks a load has queued for its
+	// background fetches and not yet seen in (default 256 MiB), so that
+	// the memory a load holds does not grow with its snapshot.
+	PrefetchAhead int64
 	// Logger receives structured logs. Default: slog.Default().
 	Logger *slog.Logger
 	// FetchMetrics, if set, receives fetch metrics.
@@ -115,6 +119,9 @@ func New(opts Options) (*Puller, error) {
 	}
 	if opts.SmallFilesCap <= 0 {
 		opts.SmallFilesCap = 256 << 20
+	}
+	if opts.PrefetchAhead <= 0 {
+		opts.PrefetchAhead = DefaultPrefetchAhead
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -504,49 +511,66 @@ func (l *load) run(ctx context.Context, files []int, materializeAfter <-chan str
 var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // fetchAll prefetches every chunk of the given files, the prefetch list's
-// first, the rest in file and offset order, and waits for them.
+// first, the rest in file and offset order, and waits for them. It keeps
+// about Options.PrefetchAhead bytes of chunks queued and not yet in: it
+// queues half of that (to the end of a pack) whenever fewer are.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
-	var held []format.Chunk
 	var pending []*fetch.Pending
+	var pendingBytes int64
+	ahead := l.p.opts.PrefetchAhead
 	// In file and offset order: the profile's chunks, queued first at
 	// their own priority (prepare), are already on their way. With
 	// awaitSandbox, pages.img's lead goes first and the rest waits for
 	// the sandbox (waitSandbox).
-	batches := [][]format.Chunk{inOrder(l.chunks, files)}
-	if l.awaitSandbox > 0 {
-		lead, rest := splitLead(l.snap, l.chunks, files)
-		batches = [][]format.Chunk{lead, rest}
-	}
-	for i, all := range batches {
-		if i > 0 {
+	lead, rest := splitLead(l.snap, l.chunks, files, l.awaitSandbox > 0)
+	for i, segments := range [][][]format.Chunk{lead, rest} {
+		if i > 0 && l.awaitSandbox > 0 {
 			if err := l.waitSandbox(ctx); err != nil {
 				return err
 			}
 		}
-		// Prefetch returns the fetches of the chunks it queued in their
-		// order; the others are zero or held by the node cache.
-		queued := l.sched.Prefetch(all)
-		next := 0
-		for _, c := range all {
-			if c.Encoding != format.EncodingZero && next < len(queued) && queued[next].Chunk().Digest == c.Digest {
-				next++
-				continue
+		for _, all := range segments {
+			for len(all) > 0 {
+				part := window(all, ahead/2)
+				all = all[len(part):]
+				// Prefetch returns the fetches of the chunks it queued in
+				// their order; the others are zero or held by the node cache.
+				queued := l.sched.Prefetch(part)
+				next := 0
+				var held []format.Chunk
+				for _, c := range part {
+					if c.Encoding != format.EncodingZero && next < len(queued) && queued[next].Chunk().Digest == c.Digest {
+						next++
+						continue
+					}
+					if c.Encoding != format.EncodingZero {
+						held = append(held, c)
+					}
+					l.local.Add(c.Size)
+				}
+				for _, pd := range queued {
+					pendingBytes += pd.Chunk().Size
+				}
+				pending = append(pending, queued...)
+				// Chunks held in another image dir (or a chunk file) are
+				// copied into this one while the fetches queued run, so that
+				// the commit finds every file complete in place.
+				for _, c := range held {
+					if ctx.Err() != nil {
+						return ctx.Err()
+					}
+					l.p.cache.Localize(c.Digest)
+				}
+				for pendingBytes > ahead {
+					if err := pending[0].Wait(ctx); err != nil {
+						return err
+					}
+					l.local.Add(pending[0].Chunk().Size)
+					pendingBytes -= pending[0].Chunk().Size
+					pending = pending[1:]
+				}
 			}
-			if c.Encoding != format.EncodingZero {
-				held = append(held, c)
-			}
-			l.local.Add(c.Size)
 		}
-		pending = append(pending, queued...)
-	}
-	// Chunks held in another image dir (or a chunk file) are copied into
-	// this one while the fetches queued above run, so that the commit
-	// finds every file complete in place.
-	for _, c := range held {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		l.p.cache.Localize(c.Digest)
 	}
 	for _, pd := range pending {
 		if err := pd.Wait(ctx); err != nil {
@@ -555,6 +579,33 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 		l.local.Add(pd.Chunk().Size)
 	}
 	return nil
+}
+
+// DefaultPrefetchAhead is Options.PrefetchAhead's default. A queued fetch
+// costs the scheduler about half a KiB, and a load that queued every
+// chunk of a snapshot at once held memory that grew with the snapshot (18
+// MB of queued fetches for 2 GiB of format v2's 64 KiB chunks; 300 MB
+// would be 32 GiB's). The fetch workers take a few packs at a time (12
+// of at most 4 MiB), so a window this deep never leaves them idle.
+const DefaultPrefetchAhead = 256 << 20
+
+// window returns the first chunks of chunks that come to at least max
+// bytes (all of them if they come to less), and the rest of the pack the
+// last of them lies in: a pack's range is not cut in two.
+func window(chunks []format.Chunk, max int64) []format.Chunk {
+	var n int64
+	for i, c := range chunks {
+		n += c.Size
+		if n < max {
+			continue
+		}
+		j := i + 1
+		for j < len(chunks) && c.Packed() && chunks[j].Blob == c.Blob {
+			j++
+		}
+		return chunks[:j]
+	}
+	return chunks
 }
 
 // AwaitRestore is the FilesOptions.AwaitSandbox of a mount a sandbox is
@@ -570,18 +621,22 @@ const AwaitRestore = 2 * time.Second
 // cryo's gofer; FUSE: 128 of 256 KiB).
 const sandboxLead = 32 << 20
 
-// splitLead lists every chunk of the given files (indexes) in file and
-// offset order, as inOrder, split in two: the chunks of pages.img's first
-// sandboxLead bytes, and all others.
-func splitLead(snap *format.Snapshot, chunks [][]format.Chunk, files []int) (lead, rest []format.Chunk) {
+// splitLead lists the chunks of the given files (indexes), in file and
+// offset order, as segments of the snapshot's tables (not copies). If
+// split, they are split in two: the chunks of pages.img's first
+// sandboxLead bytes, and all others; else lead is empty.
+func splitLead(snap *format.Snapshot, chunks [][]format.Chunk, files []int, split bool) (lead, rest [][]format.Chunk) {
 	for _, fi := range files {
-		for _, c := range chunks[fi] {
-			if snap.Files[fi].Path == format.PagesFile && c.Offset < sandboxLead {
-				lead = append(lead, c)
-			} else {
-				rest = append(rest, c)
+		cs := chunks[fi]
+		if split && snap.Files[fi].Path == format.PagesFile {
+			n := 0
+			for n < len(cs) && cs[n].Offset < sandboxLead {
+				n++
 			}
+			lead = append(lead, cs[:n])
+			cs = cs[n:]
 		}
+		rest = append(rest, cs)
 	}
 	return lead, rest
 }
@@ -603,16 +658,6 @@ func (l *load) waitSandbox(ctx context.Context) error {
 // sandboxReads says a sandbox reads pages.img: its loader runs, and the
 // load holds back nothing more for it.
 func (l *load) sandboxReads() { l.sandboxOnce.Do(func() { close(l.sandboxRead) }) }
-
-// inOrder lists every chunk of the given files (indexes), in file and
-// offset order.
-func inOrder(chunks [][]format.Chunk, files []int) []format.Chunk {
-	var out []format.Chunk
-	for _, fi := range files {
-		out = append(out, chunks[fi]...)
-	}
-	return out
-}
 
 // imageWrite is a materialized dir being written; err and stopped are set
 // before done is closed. stopped says the write ended because its load

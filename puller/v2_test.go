@@ -451,3 +451,31 @@ func TestSmallFilesInOneRequest(t *testing.T) {
 		}
 	}
 }
+
+// TestLoadInWindowsLoadsEveryByte loads a 32 MiB v2 snapshot with
+// PrefetchAhead of 1 MiB: pages.img is queued in about 16 windows, each
+// cut at the end of a pack, the next queued only as the one before comes
+// in. Every chunk of every window is loaded: the materialized dir is the
+// source, byte for byte, and a second load asks the registry for nothing.
+func TestLoadInWindowsLoadsEveryByte(t *testing.T) {
+	r := startReg(t)
+	src, s := pushV2(t, r, "app", synth.Random, 32<<20, 1)
+	p := newPuller(t, Options{PrefetchAhead: 1 << 20})
+	if _, err := p.Load(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+	img, ok := p.Materialized(s.Index.Digest)
+	if !ok {
+		t.Fatal("the load wrote no materialized dir")
+	}
+	for _, name := range []string{"checkpoint.img", "pages_meta.img", "pages.img"} {
+		sameFile(t, filepath.Join(img, name), filepath.Join(src, name))
+	}
+	gets := r.blobGets.Load()
+	if _, err := p.Load(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+	if n := r.blobGets.Load() - gets; n != 0 {
+		t.Errorf("a second load made %d blob requests, want 0", n)
+	}
+}
