@@ -511,9 +511,10 @@ func (l *load) run(ctx context.Context, files []int, materializeAfter <-chan str
 var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // fetchAll prefetches every chunk of the given files, the prefetch list's
-// first, the rest in file and offset order, and waits for them. It keeps
-// about Options.PrefetchAhead bytes of chunks queued and not yet in: it
-// queues half of that (to the end of a pack) whenever fewer are.
+// first, the rest in file and offset order, and waits for them. It queues
+// half of Options.PrefetchAhead at a time (to the end of a pack) whenever
+// at most PrefetchAhead bytes of chunks are queued and not yet in: at
+// most 1.5 times PrefetchAhead and a pack are queued at once.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
 	var pending []*fetch.Pending
 	var pendingBytes int64

@@ -326,7 +326,13 @@ func explain(err error, repo *remote.Repository) error {
 	var netErr *net.OpError
 	switch {
 	case errors.As(err, &netErr) && netErr.Op == "dial":
-		return fmt.Errorf("%w\ncannot reach the registry %s: is it running, and are its address and scheme (--plain-http) right?", err, repo.Reference.Registry)
+		// The address dialed, not repo's: a copy's source may be the one
+		// down.
+		addr := repo.Reference.Registry
+		if netErr.Addr != nil {
+			addr = netErr.Addr.String()
+		}
+		return fmt.Errorf("%w\ncannot reach the registry at %s: is it running, and are its address and scheme (--plain-http) right?", err, addr)
 	case errors.Is(err, auth.ErrBasicCredentialNotFound) || (isResp && resp.StatusCode == http.StatusUnauthorized):
 		return fmt.Errorf("%w\nunauthorized: %s needs credentials: run `cryo login %s`, or pass -u with --password-stdin or --password-file", err, repo.Reference.Registry, repo.Reference.Registry)
 	case isResp && (resp.StatusCode == http.StatusInternalServerError || resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusServiceUnavailable):

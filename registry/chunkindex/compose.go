@@ -135,13 +135,25 @@ func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Re
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(indexParallelism)
 	linked := map[digest.Digest]bool{}
+	var packs []ocispec.Descriptor
 	for _, p := range t.Packs {
 		desc, err := r.Blobs(ctx).Stat(ctx, p.Digest)
 		if err != nil || desc.Size != p.Size {
 			continue
 		}
 		linked[p.Digest] = true
-		g.Go(func() error { return ci.mergePackList(gctx, repo, p, byPack[p.Digest], neighbors[p.Digest]) })
+		packs = append(packs, p)
+	}
+	for _, p := range packs {
+		// Only packs the repository links are recorded as neighbors:
+		// a table cannot fill a list's slots with packs it does not hold.
+		var nbs []digest.Digest
+		for _, nb := range neighbors[p.Digest] {
+			if linked[nb] {
+				nbs = append(nbs, nb)
+			}
+		}
+		g.Go(func() error { return ci.mergePackList(gctx, repo, p, byPack[p.Digest], nbs) })
 	}
 	type key struct{ chunk, pack digest.Digest }
 	seen := map[key]bool{}
