@@ -592,19 +592,32 @@ const DefaultPrefetchAhead = 256 << 20
 
 // window returns the first chunks of chunks that come to at least max
 // bytes (all of them if they come to less), and the rest of the pack the
-// last of them lies in: a pack's range is not cut in two.
+// last stored one of them lies in, zero chunks between its frames
+// included: a pack's range is not cut in two.
 func window(chunks []format.Chunk, max int64) []format.Chunk {
 	var n int64
+	var pack digest.Digest
 	for i, c := range chunks {
 		n += c.Size
+		if c.Packed() {
+			pack = c.Blob
+		}
 		if n < max {
 			continue
 		}
-		j := i + 1
-		for j < len(chunks) && c.Packed() && chunks[j].Blob == c.Blob {
-			j++
+		end := i + 1
+		if pack == "" {
+			return chunks[:end]
 		}
-		return chunks[:j]
+		for j := end; j < len(chunks); j++ {
+			if chunks[j].Packed() {
+				if chunks[j].Blob != pack {
+					break
+				}
+				end = j + 1
+			}
+		}
+		return chunks[:end]
 	}
 	return chunks
 }
