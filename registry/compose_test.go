@@ -21,6 +21,7 @@ import (
 	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/cryo-oci/cryo/registry/maintenance"
 	"github.com/cryo-oci/cryo/transfer"
+	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -550,6 +551,79 @@ func editImage(t *testing.T, src, dst string, off, n int64) {
 		}
 		if err := os.WriteFile(filepath.Join(dst, name), data, 0o644); err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// TestGCDropsDeletedNeighbors pushes a snapshot and an edit of it to one
+// repository (the edit's new packs lie beside the first's), deletes the
+// edit and collects garbage: the frame lists that stay must not name the
+// edit's packs as neighbors any more (a dead neighbor holds one of a
+// list's few slots and sends compositions to a list that is gone).
+func TestGCDropsDeletedNeighbors(t *testing.T) {
+	ctx := context.Background()
+	reg := startRegistry(t, "")
+	src := testenv.ImageDir(t, synth.HalfZero, 16<<20, 21)
+	a, tag := reg.repo(t, "a:v1")
+	if _, err := transfer.Push(ctx, src, a, tag, v2Push); err != nil {
+		t.Fatal(err)
+	}
+	edited := filepath.Join(t.TempDir(), "edited")
+	editImage(t, src, edited, 6<<20, 1<<20)
+	second, err := transfer.Push(ctx, edited, a, "v2", v2Push)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lists := func() map[digest.Digest][]digest.Digest {
+		t.Helper()
+		out := map[digest.Digest][]digest.Digest{}
+		err := reg.srv.Driver().Walk(ctx, chunkindex.PacksRoot, func(fi storagedriver.FileInfo) error {
+			if fi.IsDir() {
+				return nil
+			}
+			data, err := reg.srv.Driver().GetContent(ctx, fi.Path())
+			if err != nil {
+				return err
+			}
+			var l struct{ Neighbors []digest.Digest }
+			if err := json.Unmarshal(data, &l); err != nil {
+				return err
+			}
+			out[digest.Digest("sha256:"+filepath.Base(fi.Path()))] = l.Neighbors
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	before := lists()
+	if err := a.Delete(ctx, second.Descriptor); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := reg.srv.Maintenance().GC(ctx, maintenance.GCOptions{RemoveUntagged: true}); err != nil {
+		t.Fatal(err)
+	}
+	after := lists()
+	dead := 0
+	for p, nbs := range before {
+		if _, kept := after[p]; !kept {
+			continue
+		}
+		for _, nb := range nbs {
+			if _, ok := after[nb]; !ok {
+				dead++
+			}
+		}
+	}
+	if dead == 0 {
+		t.Fatal("no list that stays named a pack gc dropped: the test deletes no neighbor")
+	}
+	for p, nbs := range after {
+		for _, nb := range nbs {
+			if _, ok := after[nb]; !ok {
+				t.Errorf("pack %s still names %s as a neighbor after gc dropped its list", p, nb)
+			}
 		}
 	}
 }

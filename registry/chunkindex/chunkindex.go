@@ -13,12 +13,14 @@ import (
 	"io"
 	"log/slog"
 	"path"
+	"slices"
 	"sync"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/distribution/distribution/v3"
+	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
@@ -380,10 +382,15 @@ func (ci *Index) repository(ctx context.Context, repo string) (distribution.Repo
 }
 
 // Prune drops entries whose blob is no longer linked, entries written
-// before verification existed (v1 entries that are not frames), and the
-// frame lists of packs their recorded repository no longer links; gc calls
-// it.
+// before verification existed (v1 entries that are not frames), the frame
+// lists of packs their recorded repository no longer links, and those
+// packs from the neighbors of the lists that stay; gc calls it.
 func (ci *Index) Prune(ctx context.Context) (int, error) {
+	// gone are the packs whose lists this pass drops: a list that names
+	// one as a neighbor would otherwise keep the slot (and send a
+	// composition to a list that is not there) until newer neighbors
+	// push it out.
+	gone := map[digest.Digest]bool{}
 	lists, err := extstore.Prune(ctx, ci.driver, PacksRoot, func(p string) bool {
 		data, err := ci.driver.GetContent(ctx, p)
 		if err != nil {
@@ -393,11 +400,13 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		if json.Unmarshal(data, &l) != nil {
 			return false
 		}
-		kept, dropped, err := ci.pruneRepositories(ctx, digest.Digest("sha256:"+path.Base(p)), l.Repositories)
+		pack := digest.Digest("sha256:" + path.Base(p))
+		kept, dropped, err := ci.pruneRepositories(ctx, pack, l.Repositories)
 		if err != nil || !dropped {
 			return false
 		}
 		if len(kept) == 0 {
+			gone[pack] = true
 			return true
 		}
 		l.Repositories = kept
@@ -407,6 +416,11 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 	})
 	if err != nil {
 		return lists, err
+	}
+	if len(gone) > 0 {
+		if err := ci.pruneNeighbors(ctx, gone); err != nil {
+			return lists, err
+		}
 	}
 	entries, err := extstore.Prune(ctx, ci.driver, Root, func(p string) bool {
 		data, err := ci.driver.GetContent(ctx, p)
@@ -440,4 +454,34 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		return false
 	})
 	return lists + entries, err
+}
+
+// pruneNeighbors drops the packs in gone from the neighbors of every
+// frame list.
+func (ci *Index) pruneNeighbors(ctx context.Context, gone map[digest.Digest]bool) error {
+	err := ci.driver.Walk(ctx, PacksRoot, func(fi storagedriver.FileInfo) error {
+		if fi.IsDir() {
+			return nil
+		}
+		data, err := ci.driver.GetContent(ctx, fi.Path())
+		if err != nil {
+			return nil
+		}
+		var l packList
+		if json.Unmarshal(data, &l) != nil {
+			return nil
+		}
+		n := len(l.Neighbors)
+		l.Neighbors = slices.DeleteFunc(l.Neighbors, func(d digest.Digest) bool { return gone[d] })
+		if len(l.Neighbors) == n {
+			return nil
+		}
+		data, _ = json.Marshal(l)
+		_ = ci.driver.PutContent(ctx, fi.Path(), data)
+		return nil
+	})
+	if err != nil && !extstore.IsNotFound(err) {
+		return fmt.Errorf("prune neighbors: %w", err)
+	}
+	return nil
 }

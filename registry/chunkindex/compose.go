@@ -168,11 +168,16 @@ func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Re
 	return g.Wait()
 }
 
-// withNeighbor returns packs with p added (unless it is there or packs is
-// full), and whether it changed.
+// withNeighbor returns packs with p added last (unless it is there), and
+// whether it changed. A full list drops its oldest: the packs pushed
+// beside this one most recently are those a composition of the next
+// snapshot in a chain needs, while the oldest may be long deleted.
 func withNeighbor(packs []digest.Digest, p digest.Digest) ([]digest.Digest, bool) {
-	if slices.Contains(packs, p) || len(packs) >= maxNeighbors {
+	if slices.Contains(packs, p) {
 		return packs, false
+	}
+	if len(packs) >= maxNeighbors {
+		packs = slices.Delete(packs, 0, len(packs)-maxNeighbors+1)
 	}
 	return append(packs, p), true
 }
@@ -205,7 +210,7 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 		}
 	} else {
 		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames[:min(len(frames), maxListedFrames)],
-			Neighbors: neighbors[:min(len(neighbors), maxNeighbors)]}
+			Neighbors: neighbors[max(0, len(neighbors)-maxNeighbors):]}
 	}
 	if !changed {
 		return nil
