@@ -516,9 +516,8 @@ var closed = func() chan struct{} { c := make(chan struct{}); close(c); return c
 // at most PrefetchAhead bytes of chunks are queued and not yet in: at
 // most 1.5 times PrefetchAhead and a pack are queued at once.
 func (l *load) fetchAll(ctx context.Context, files []int) error {
-	var pending []*fetch.Pending
-	var pendingBytes int64
 	ahead := l.p.opts.PrefetchAhead
+	var q inFlight
 	// In file and offset order: the profile's chunks, queued first at
 	// their own priority (prepare), are already on their way. With
 	// awaitSandbox, pages.img's lead goes first and the rest waits for
@@ -534,50 +533,74 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 			for len(all) > 0 {
 				part := window(all, ahead/2)
 				all = all[len(part):]
-				// Prefetch returns the fetches of the chunks it queued in
-				// their order; the others are zero or held by the node cache.
-				queued := l.sched.Prefetch(part)
-				next := 0
-				var held []format.Chunk
-				for _, c := range part {
-					if c.Encoding != format.EncodingZero && next < len(queued) && queued[next].Chunk().Digest == c.Digest {
-						next++
-						continue
-					}
-					if c.Encoding != format.EncodingZero {
-						held = append(held, c)
-					}
-					l.local.Add(c.Size)
+				if err := l.queue(ctx, part, &q); err != nil {
+					return err
 				}
-				for _, pd := range queued {
-					pendingBytes += pd.Chunk().Size
-				}
-				pending = append(pending, queued...)
-				// Chunks held in another image dir (or a chunk file) are
-				// copied into this one while the fetches queued run, so that
-				// the commit finds every file complete in place.
-				for _, c := range held {
-					if ctx.Err() != nil {
-						return ctx.Err()
-					}
-					l.p.cache.Localize(c.Digest)
-				}
-				for pendingBytes > ahead {
-					if err := pending[0].Wait(ctx); err != nil {
-						return err
-					}
-					l.local.Add(pending[0].Chunk().Size)
-					pendingBytes -= pending[0].Chunk().Size
-					pending = pending[1:]
+				if err := q.waitUntil(ctx, ahead, &l.local); err != nil {
+					return err
 				}
 			}
 		}
 	}
-	for _, pd := range pending {
+	return q.waitUntil(ctx, 0, &l.local)
+}
+
+// queue queues the fetches of chunks (one window of fetchAll) onto q,
+// counts the chunks it need not fetch as local, and copies those another
+// image dir (or a chunk file) holds into this one while the fetches
+// queued run, so that the commit finds every file complete in place.
+func (l *load) queue(ctx context.Context, chunks []format.Chunk, q *inFlight) error {
+	// Prefetch returns the fetches of the chunks it queued in their
+	// order; the others are zero or held by the node cache.
+	queued := l.sched.Prefetch(chunks)
+	next := 0
+	var held []format.Chunk
+	for _, c := range chunks {
+		if c.Encoding != format.EncodingZero && next < len(queued) && queued[next].Chunk().Digest == c.Digest {
+			next++
+			continue
+		}
+		if c.Encoding != format.EncodingZero {
+			held = append(held, c)
+		}
+		l.local.Add(c.Size)
+	}
+	q.add(queued)
+	for _, c := range held {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		l.p.cache.Localize(c.Digest)
+	}
+	return nil
+}
+
+// inFlight are a load's queued fetches not yet waited for, oldest first,
+// and their chunks' bytes.
+type inFlight struct {
+	pending []*fetch.Pending
+	bytes   int64
+}
+
+func (q *inFlight) add(queued []*fetch.Pending) {
+	for _, pd := range queued {
+		q.bytes += pd.Chunk().Size
+	}
+	q.pending = append(q.pending, queued...)
+}
+
+// waitUntil waits for the oldest fetches until at most max bytes are
+// in flight (0: all of them; a chunk is never empty), adding each one's
+// bytes to local.
+func (q *inFlight) waitUntil(ctx context.Context, max int64, local *atomic.Int64) error {
+	for len(q.pending) > 0 && q.bytes > max {
+		pd := q.pending[0]
 		if err := pd.Wait(ctx); err != nil {
 			return err
 		}
-		l.local.Add(pd.Chunk().Size)
+		local.Add(pd.Chunk().Size)
+		q.bytes -= pd.Chunk().Size
+		q.pending = q.pending[1:]
 	}
 	return nil
 }
