@@ -174,7 +174,7 @@ func parseRange(h string, size int64) (start, end int64, err error) {
 	if start >= size {
 		return 0, 0, fmt.Errorf("range %q starts past the file's %d bytes", h, size)
 	}
-	end = min(last+1, size)
+	end = min(last, size-1) + 1 // last+1 would wrap at the largest int64
 	if end-start > MaxRange {
 		return 0, 0, fmt.Errorf("range %q is over %d bytes", h, MaxRange)
 	}

@@ -79,8 +79,10 @@ func TestParseRange(t *testing.T) {
 		ok         bool
 	}{
 		{"bytes=0-9", 0, 10, true},
-		{"bytes=90-200", 90, 100, true}, // clipped at the end
-		{"bytes=100-200", 0, 0, false},  // past the end
+		{"bytes=90-200", 90, 100, true},                 // clipped at the end
+		{"bytes=90-9223372036854775807", 90, 100, true}, // last+1 overflows
+		{"bytes=0-9223372036854775807", 0, 100, true},
+		{"bytes=100-200", 0, 0, false}, // past the end
 		{"bytes=5-4", 0, 0, false},
 		{"bytes=-5", 0, 0, false},
 		{"bytes=0-", 0, 0, false},
