@@ -188,7 +188,13 @@ func (ci *Index) IndexManifest(ctx context.Context, repo string, body []byte) er
 // verified entry for that blob exists, after verifying it.
 func (ci *Index) indexChunk(ctx context.Context, repo string, r distribution.Repository, c format.Chunk) error {
 	p := EntryPath(c.Digest, c.Blob)
-	if data, err := ci.driver.GetContent(ctx, p); err == nil {
+	data, err := ci.driver.GetContent(ctx, p)
+	if err != nil && !extstore.IsNotFound(err) {
+		// An entry other repositories share is not overwritten on a
+		// failed read.
+		return fmt.Errorf("read entry %s: %w", p, err)
+	}
+	if err == nil {
 		var old indexEntry
 		if json.Unmarshal(data, &old) == nil && old.Verified && old.Digest == c.Blob {
 			// Verified once: a blob's content never changes. Only the

@@ -190,7 +190,13 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 	lp := PackListPath(p.Digest)
 	var list packList
 	changed := true
-	if data, err := ci.driver.GetContent(ctx, lp); err == nil && json.Unmarshal(data, &list) == nil && list.Size == p.Size {
+	data, err := ci.driver.GetContent(ctx, lp)
+	if err != nil && !extstore.IsNotFound(err) {
+		// A list other repositories wrote is not overwritten on a failed
+		// read: only one that is not there is started anew.
+		return fmt.Errorf("read list of pack %s: %w", p.Digest, err)
+	}
+	if err == nil && json.Unmarshal(data, &list) == nil && list.Size == p.Size {
 		list.Repositories, changed = withRepository(list.Repositories, repo)
 		have := make(map[int64]bool, len(list.Frames))
 		for _, f := range list.Frames {
@@ -215,7 +221,7 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 	if !changed {
 		return nil
 	}
-	data, _ := json.Marshal(list)
+	data, _ = json.Marshal(list)
 	if err := ci.driver.PutContent(ctx, lp, data); err != nil {
 		return fmt.Errorf("index pack %s: %w", p.Digest, err)
 	}
@@ -228,7 +234,11 @@ func (ci *Index) indexAnchor(ctx context.Context, repo string, c format.Chunk) e
 	p := EntryPath(c.Digest, c.Blob)
 	e := indexEntry{Frame: true, ChunkBlob: api.ChunkBlob{
 		Encoding: string(c.Encoding), MediaType: format.MediaTypePack, Digest: c.Blob, Size: c.PackSize, ChunkSize: c.Size}}
-	if data, err := ci.driver.GetContent(ctx, p); err == nil {
+	data, err := ci.driver.GetContent(ctx, p)
+	if err != nil && !extstore.IsNotFound(err) {
+		return fmt.Errorf("read anchor %s: %w", p, err)
+	}
+	if err == nil {
 		var old indexEntry
 		if json.Unmarshal(data, &old) == nil {
 			if old.Verified {
