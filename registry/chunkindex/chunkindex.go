@@ -20,7 +20,6 @@ import (
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/distribution/distribution/v3"
-	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
@@ -463,31 +462,24 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 }
 
 // pruneNeighbors drops the packs in gone from the neighbors of every
-// frame list.
+// frame list (it deletes no list).
 func (ci *Index) pruneNeighbors(ctx context.Context, gone map[digest.Digest]bool) error {
-	err := ci.driver.Walk(ctx, PacksRoot, func(fi storagedriver.FileInfo) error {
-		if fi.IsDir() {
-			return nil
-		}
-		data, err := ci.driver.GetContent(ctx, fi.Path())
+	_, err := extstore.Prune(ctx, ci.driver, PacksRoot, func(p string) bool {
+		data, err := ci.driver.GetContent(ctx, p)
 		if err != nil {
-			return nil
+			return false
 		}
 		var l packList
 		if json.Unmarshal(data, &l) != nil {
-			return nil
+			return false
 		}
 		n := len(l.Neighbors)
 		l.Neighbors = slices.DeleteFunc(l.Neighbors, func(d digest.Digest) bool { return gone[d] })
-		if len(l.Neighbors) == n {
-			return nil
+		if len(l.Neighbors) < n {
+			data, _ = json.Marshal(l)
+			_ = ci.driver.PutContent(ctx, p, data)
 		}
-		data, _ = json.Marshal(l)
-		_ = ci.driver.PutContent(ctx, fi.Path(), data)
-		return nil
+		return false
 	})
-	if err != nil && !extstore.IsNotFound(err) {
-		return fmt.Errorf("prune neighbors: %w", err)
-	}
-	return nil
+	return err
 }
