@@ -371,6 +371,10 @@ func TestComposeChecksAccess(t *testing.T) {
 	if _, err := api.Compose(ctx, client, open.http.URL, api.ComposeRequest{Repository: "b", Chunks: bad}); err == nil || !strings.Contains(err.Error(), "400") {
 		t.Errorf("a chunk over the size limit: %v", err)
 	}
+	twice := append(append([]api.ComposeChunk(nil), want...), api.ComposeChunk{Digest: want[0].Digest, Size: want[0].Size + 1})
+	if _, err := api.Compose(ctx, client, open.http.URL, api.ComposeRequest{Repository: "b", Chunks: twice}); err == nil || !strings.Contains(err.Error(), "400") {
+		t.Errorf("a chunk asked for with two sizes: %v", err)
+	}
 }
 
 // TestComposeAfterGC composes b's packs from a's, deletes a's snapshot and

@@ -18,6 +18,7 @@ import (
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/distlayout"
 	"github.com/cryo-oci/cryo/registry/extstore"
 	"github.com/distribution/distribution/v3"
 	"github.com/opencontainers/go-digest"
@@ -288,16 +289,9 @@ func (ci *Index) verify(ctx context.Context, r distribution.Repository, c format
 // real size is the size claimed for it: a manifest that claims a small
 // blob cannot make the registry read a large one.
 func (ci *Index) readBlob(ctx context.Context, r distribution.Repository, d digest.Digest, size int64, buf []byte) ([]byte, error) {
-	desc, err := r.Blobs(ctx).Stat(ctx, d)
+	rc, err := ci.openBlob(ctx, r, d, size, 0)
 	if err != nil {
-		return buf, fmt.Errorf("stat blob %s: %w", d, err)
-	}
-	if desc.Size != size {
-		return buf, fmt.Errorf("blob %s has %d bytes, not the %d claimed", d, desc.Size, size)
-	}
-	rc, err := r.Blobs(ctx).Open(ctx, d)
-	if err != nil {
-		return buf, fmt.Errorf("read blob %s: %w", d, err)
+		return buf, err
 	}
 	defer rc.Close()
 	if int64(cap(buf)) < size {
@@ -308,6 +302,27 @@ func (ci *Index) readBlob(ctx context.Context, r distribution.Repository, d dige
 		return buf, fmt.Errorf("read blob %s: %w", d, err)
 	}
 	return buf, nil
+}
+
+// openBlob opens blob d, linked in r with size bytes, at offset. It
+// checks the link and the size through distribution's storage API, and
+// then reads the data through the storage driver: distribution's own
+// blob reader allocates a 4 MiB buffer on its first read, which the
+// memory bounds of verification and composition (a few KiB per frame)
+// would not count.
+func (ci *Index) openBlob(ctx context.Context, r distribution.Repository, d digest.Digest, size, offset int64) (io.ReadCloser, error) {
+	desc, err := r.Blobs(ctx).Stat(ctx, d)
+	if err != nil {
+		return nil, fmt.Errorf("stat blob %s: %w", d, err)
+	}
+	if desc.Size != size {
+		return nil, fmt.Errorf("blob %s has %d bytes, not the %d claimed: %w", d, desc.Size, size, format.ErrDigestMismatch)
+	}
+	rc, err := ci.driver.Reader(ctx, distlayout.BlobDataPath(d), offset)
+	if err != nil {
+		return nil, fmt.Errorf("read blob %s: %w", d, err)
+	}
+	return rc, nil
 }
 
 func (ci *Index) put(ctx context.Context, p string, e indexEntry) error {

@@ -105,9 +105,15 @@ const composeMemory = 64 << 20
 const (
 	composeSources    = 16
 	composeCandidates = 3
-	// composeEntries bounds the anchor entries of one chunk a
-	// composition reads.
-	composeEntries = 32
+	// composeEntries bounds the anchor entries of one chunk, naming a
+	// repository the caller may pull from, whose packs a composition
+	// reads; composeEntryReads the entries of one chunk it reads to find
+	// them, so that entries of repositories the caller cannot see take
+	// no place of those it can, and composeEntryBudget those of all
+	// chunks.
+	composeEntries     = 32
+	composeEntryReads  = 256
+	composeEntryBudget = 4096
 )
 
 // indexFrames records v2 table t pushed to repo (r): for each pack it
@@ -306,6 +312,7 @@ func frameOf(pack digest.Digest, size int64, f listedFrame, want api.ComposeChun
 // bytes (or none), no pack is made and the answer lists no frames.
 func (ci *Index) Compose(ctx context.Context, repo string, chunks []api.ComposeChunk, minLength int64, visible func(repo string) bool) (*api.ComposeResponse, error) {
 	var largest int64
+	sizes := make(map[digest.Digest]int64, len(chunks))
 	for _, c := range chunks {
 		if err := c.Digest.Validate(); err != nil || c.Digest.Algorithm() != digest.SHA256 {
 			return nil, fmt.Errorf("chunk %q: %w", c.Digest, errBadRequest)
@@ -313,13 +320,17 @@ func (ci *Index) Compose(ctx context.Context, repo string, chunks []api.ComposeC
 		if c.Size <= 0 || c.Size > format.MaxChunkSize {
 			return nil, fmt.Errorf("chunk %s: size %d, want 1..%d: %w", c.Digest, c.Size, format.MaxChunkSize, errBadRequest)
 		}
+		if s, ok := sizes[c.Digest]; ok && s != c.Size {
+			return nil, fmt.Errorf("chunk %s asked for with sizes %d and %d: %w", c.Digest, s, c.Size, errBadRequest)
+		}
+		sizes[c.Digest] = c.Size
 		largest = max(largest, c.Size)
 	}
 	target, err := ci.repository(ctx, repo)
 	if err != nil {
 		return nil, err
 	}
-	src := &frameSource{ci: ci, ctx: ctx, visible: visible, readers: map[string]io.ReadSeekCloser{}, bad: map[digest.Digest]bool{}}
+	src := &frameSource{ci: ci, ctx: ctx, visible: visible, readers: map[string]*blobReader{}, bad: map[digest.Digest]bool{}}
 	defer src.close()
 	sources, err := src.find(chunks)
 	if err != nil {
@@ -411,7 +422,7 @@ type frameSource struct {
 	ci      *Index
 	ctx     context.Context
 	visible func(repo string) bool
-	readers map[string]io.ReadSeekCloser // by repository and blob
+	readers map[string]*blobReader // by repository and blob
 	// bad holds the packs whose lists named a frame that does not hold
 	// its chunk; firstBad describes the first such frame, for one log
 	// line per composition.
@@ -444,6 +455,7 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 	seen := map[digest.Digest]bool{}
 	// found are the packs that gave frames, in the order found.
 	var found []*packList
+	budget := composeEntryBudget
 	for i, want := range chunks {
 		if !(isAnchor(want.Digest) || i == 0) || packs == composeSources {
 			continue
@@ -455,19 +467,28 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 		if err != nil {
 			return nil, err
 		}
-		for _, p := range entries[:min(len(entries), composeEntries)] {
+		taken := 0
+		for _, p := range entries[:min(len(entries), composeEntryReads)] {
+			if taken == composeEntries || budget == 0 {
+				break
+			}
+			budget--
 			data, err := s.ci.driver.GetContent(ctx, p)
 			if err != nil {
 				continue
 			}
 			var e indexEntry
-			if json.Unmarshal(data, &e) != nil || !e.Frame || e.Digest.Validate() != nil || seen[e.Digest] {
+			if json.Unmarshal(data, &e) != nil || !e.Frame || e.Digest.Validate() != nil || seen[e.Digest] ||
+				!slices.ContainsFunc(e.Repositories, s.visible) {
 				continue
 			}
-			seen[e.Digest] = true
+			taken++
 			list, n, err := s.addPack(e.Digest, e.Repositories, wanted, out)
 			if err != nil {
 				return nil, err
+			}
+			if list != nil {
+				seen[e.Digest] = true
 			}
 			if n > 0 {
 				found = append(found, list)
@@ -608,37 +629,43 @@ func (s *frameSource) dropFrame(c format.Chunk) {
 }
 
 // read reads chunk c's frame (c.BlobSize bytes at c.PackOffset of blob
-// c.Blob, linked in repo with size c.PackSize) into *frame.
+// c.Blob, linked in repo with size c.PackSize) into *frame. A blob's
+// reader stays open while frames are read in order; a frame elsewhere
+// reopens it at its offset.
 func (s *frameSource) read(repo string, c format.Chunk, frame *[]byte) error {
 	key := repo + "@" + c.Blob.String()
 	rd, ok := s.readers[key]
+	if ok && rd.pos != c.PackOffset {
+		rd.Close()
+		delete(s.readers, key)
+		ok = false
+	}
 	if !ok {
 		r, err := s.ci.repository(s.ctx, repo)
 		if err != nil {
 			return err
 		}
-		desc, err := r.Blobs(s.ctx).Stat(s.ctx, c.Blob)
+		rc, err := s.ci.openBlob(s.ctx, r, c.Blob, c.PackSize, c.PackOffset)
 		if err != nil {
 			return err
 		}
-		if desc.Size != c.PackSize {
-			return fmt.Errorf("blob %s has %d bytes, not the %d recorded: %w", c.Blob, desc.Size, c.PackSize, format.ErrDigestMismatch)
-		}
-		if rd, err = r.Blobs(s.ctx).Open(s.ctx, c.Blob); err != nil {
-			return err
-		}
+		rd = &blobReader{ReadCloser: rc, pos: c.PackOffset}
 		s.readers[key] = rd
-	}
-	if _, err := rd.Seek(c.PackOffset, io.SeekStart); err != nil {
-		return err
 	}
 	if int64(cap(*frame)) < c.BlobSize {
 		*frame = make([]byte, c.BlobSize)
 	}
 	*frame = (*frame)[:c.BlobSize]
-	_, err := io.ReadFull(rd, *frame)
+	n, err := io.ReadFull(rd, *frame)
+	rd.pos += int64(n)
 	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
 		return fmt.Errorf("blob %s ends before frame %d+%d: %w", c.Blob, c.PackOffset, c.BlobSize, format.ErrDigestMismatch)
 	}
 	return err
+}
+
+// blobReader reads a blob from pos on.
+type blobReader struct {
+	io.ReadCloser
+	pos int64
 }

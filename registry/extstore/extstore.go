@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 
 	"github.com/distribution/distribution/v3"
 	storagedriver "github.com/distribution/distribution/v3/registry/storage/driver"
@@ -15,9 +16,11 @@ import (
 )
 
 // Driver is the part of a distribution storage driver the extensions use
-// for their own entries. Every storagedriver.StorageDriver is one.
+// for their own entries, and Reader for ranges of blob data they have
+// checked a repository links. Every storagedriver.StorageDriver is one.
 type Driver interface {
 	GetContent(ctx context.Context, path string) ([]byte, error)
+	Reader(ctx context.Context, path string, offset int64) (io.ReadCloser, error)
 	PutContent(ctx context.Context, path string, content []byte) error
 	List(ctx context.Context, path string) ([]string, error)
 	Delete(ctx context.Context, path string) error

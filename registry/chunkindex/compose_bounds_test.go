@@ -1,0 +1,108 @@
+package chunkindex_test
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
+	"github.com/distribution/distribution/v3/registry/storage"
+	"github.com/distribution/distribution/v3/registry/storage/driver/inmemory"
+)
+
+// newEnv returns an index on an empty in-memory registry.
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	ctx := context.Background()
+	mem := inmemory.New()
+	ns, err := storage.NewRegistry(ctx, mem, storage.EnableDelete)
+	if err != nil {
+		t.Fatal(err)
+	}
+	codec, err := format.NewCodecV2(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &env{t: t, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(mem, ns, codec, chunkindex.Options{})}
+}
+
+// TestComposeReadsFramesWithoutBlobBuffers composes 16 tiny frames from
+// 16 packs. The composition is charged a few KiB per frame, so what it
+// allocates must stay near that: distribution's blob reader, which
+// allocates a 4 MiB buffer per blob opened (64 MiB here), must not be
+// what reads the frames.
+func TestComposeReadsFramesWithoutBlobBuffers(t *testing.T) {
+	e := newEnv(t)
+	var chunks []api.ComposeChunk
+	for i := 0; len(chunks) < 16; i++ {
+		// Only anchors (digests ending in 0) are looked up.
+		f := e.zstdPack("a", fmt.Sprintf("frame-%d-", i))
+		if !strings.HasSuffix(f.chunk.Encoded(), "0") {
+			continue
+		}
+		if err := e.pushTable("a", []frame{f}); err != nil {
+			t.Fatal(err)
+		}
+		chunks = append(chunks, api.ComposeChunk{Digest: f.chunk, Size: f.size})
+	}
+	all := func(string) bool { return true }
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	resp, err := e.ci.Compose(e.ctx, "b", chunks, 0, all)
+	runtime.ReadMemStats(&after)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Frames) != len(chunks) {
+		t.Fatalf("composed %d frames, want %d", len(resp.Frames), len(chunks))
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 16<<20 {
+		t.Errorf("composing 16 frames of %d bytes allocated %d MiB", chunks[0].Size, got>>20)
+	}
+}
+
+// TestComposeSkipsAnchorsOfHiddenRepositories has a repository the
+// caller cannot see record more packs claiming a chunk at offset 0 (an
+// anchor) than a composition takes, all sorting before the pack of the
+// repository the caller can see that truly holds it: the composition
+// must still find the true frame (SPEC.md 12.2.1: only callers who may
+// pull from the liar's repository can lose dedup to it).
+func TestComposeSkipsAnchorsOfHiddenRepositories(t *testing.T) {
+	e := newEnv(t)
+	var real frame
+	for i := 0; ; i++ {
+		real = e.zstdPack("public", fmt.Sprintf("public-%d-", i))
+		if real.pack.Digest.Encoded()[0] >= '8' {
+			break
+		}
+	}
+	if err := e.pushTable("public", []frame{real}); err != nil {
+		t.Fatal(err)
+	}
+	var lies []string
+	for i := 0; len(lies) < 40; i++ {
+		junk := e.zstdPack("hidden", fmt.Sprintf("junk-%d-", i))
+		if junk.pack.Digest.Encoded() > real.pack.Digest.Encoded() {
+			continue
+		}
+		lie := frame{chunk: real.chunk, size: real.size, pack: junk.pack, length: junk.length}
+		if err := e.pushTable("hidden", []frame{lie}); err != nil {
+			t.Fatal(err)
+		}
+		lies = append(lies, junk.pack.Digest.String())
+	}
+	visible := func(r string) bool { return slices.Contains([]string{"public", "mine"}, r) }
+	resp, err := e.ci.Compose(e.ctx, "mine", []api.ComposeChunk{{Digest: real.chunk, Size: real.size}}, 0, visible)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Frames) != 1 {
+		t.Errorf("composition found no frame of a chunk a visible repository holds, behind %d entries of a hidden one", len(lies))
+	}
+}
