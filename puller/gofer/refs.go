@@ -364,11 +364,13 @@ func (r *refReader) fill() error {
 	if flags&unix.MSG_CTRUNC != 0 && err == nil {
 		err = errors.New("more fds than one frame passes")
 	}
+	got := 0
 	if oobn > 0 {
 		msgs, perr := unix.ParseSocketControlMessage(oob[:oobn])
 		for _, m := range msgs {
 			if fds, ferr := unix.ParseUnixRights(&m); ferr == nil {
 				r.fds = append(r.fds, fds...)
+				got += len(fds)
 			}
 		}
 		if perr != nil && err == nil {
@@ -376,9 +378,12 @@ func (r *refReader) fill() error {
 		}
 	}
 	r.end += n
-	if len(r.fds) > 1 && err == nil {
-		// An F frame's fd comes with the frame's first byte: two not
-		// yet taken are a gofer passing fds no frame names.
+	// An F frame's fd comes with the frame's first byte, and a read
+	// stops after the bytes that brought fds: one read brings at most
+	// one, and at most one more is in hand (that of an F frame whose
+	// first byte ended the buffer). More are fds no frame names ('E'
+	// checks that none is left).
+	if (got > 1 || len(r.fds) > 2) && err == nil {
 		err = errors.New("fds passed without their frames")
 	}
 	if n == 0 && err == nil {
@@ -421,6 +426,9 @@ func (r *refReader) frame() error {
 	r.off++
 	switch kind {
 	case 'E':
+		if len(r.fds) > 0 {
+			return errors.New("reference upload: fds passed without their frames")
+		}
 		r.ended = true
 		return io.EOF
 	case 'F':

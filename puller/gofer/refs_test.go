@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -286,21 +287,7 @@ func TestSessionCloseEndsReferenceUploads(t *testing.T) {
 // reader keeps answering its first error: after a bad frame the stream
 // is out of step, and bytes read past it would be packed as the file's.
 func TestRefReaderErrorsStick(t *testing.T) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := func(fd int) *net.UnixConn {
-		f := os.NewFile(uintptr(fd), "socketpair")
-		defer f.Close()
-		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c.(*net.UnixConn)
-	}
-	ours, theirs := conn(fds[0]), conn(fds[1])
+	ours, theirs := socketPair(t)
 	bad := binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32([]byte{'R'}, 7), 1)
 	bad = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(bad, 0), 4096)
 	good := append(binary.LittleEndian.AppendUint32([]byte{'D'}, 5), "bytes"...)
@@ -316,5 +303,84 @@ func TestRefReaderErrorsStick(t *testing.T) {
 	}
 	if n, err := r.Read(p); err != first || n != 0 {
 		t.Fatalf("read after an error: %d bytes %q, %v; want 0, %v", n, p[:n], err, first)
+	}
+}
+
+// socketPair returns the two ends of a Unix stream socket pair.
+func socketPair(t *testing.T) (ours, theirs *net.UnixConn) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := func(fd int) *net.UnixConn {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		defer f.Close()
+		c, err := net.FileConn(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c.(*net.UnixConn)
+	}
+	return conn(fds[0]), conn(fds[1])
+}
+
+// TestRefReaderTakesAFileFrameAcrossTheBufferEnd sends an inline frame
+// that fills the reader's buffer but for one byte, then two file frames,
+// each with its fd: the first file frame's fd arrives with its first
+// byte, the rest of it with the second's fd, in one read. Both files'
+// bytes must be read; the reader must not take two fds in hand as fds
+// passed without their frames.
+func TestRefReaderTakesAFileFrameAcrossTheBufferEnd(t *testing.T) {
+	ours, theirs := socketPair(t)
+	inline := bytes.Repeat([]byte("i"), 64<<10-5-1)
+	one, two := bytes.Repeat([]byte("1"), 4096), bytes.Repeat([]byte("2"), 4096)
+	file := func(h uint32, data []byte) {
+		head := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32([]byte{'F'}, h), uint64(len(data)))
+		if _, _, err := theirs.WriteMsgUnix(head, unix.UnixRights(memFile(t, data)), nil); err != nil {
+			t.Fatal(err)
+		}
+		r := binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32([]byte{'R'}, h), 1)
+		r = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(r, 0), uint64(len(data)))
+		if _, err := theirs.Write(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := theirs.Write(append(binary.LittleEndian.AppendUint32([]byte{'D'}, uint32(len(inline))), inline...)); err != nil {
+		t.Fatal(err)
+	}
+	file(1, one)
+	file(2, two)
+	if _, err := theirs.Write([]byte{'E'}); err != nil {
+		t.Fatal(err)
+	}
+	r := &refReader{conn: ours, files: map[uint32]*os.File{}}
+	defer r.closeFiles()
+	got, err := io.ReadAll(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := slices.Concat(inline, one, two); !bytes.Equal(got, want) {
+		t.Errorf("read %d bytes, want the %d sent", len(got), len(want))
+	}
+}
+
+// TestRefReaderRefusesUnclaimedFds passes an fd with an inline frame:
+// no file frame names it, so the stream is out of step and must end in
+// an error, not be read as whole.
+func TestRefReaderRefusesUnclaimedFds(t *testing.T) {
+	ours, theirs := socketPair(t)
+	d := append(binary.LittleEndian.AppendUint32([]byte{'D'}, 5), "bytes"...)
+	if _, _, err := theirs.WriteMsgUnix(d, unix.UnixRights(memFile(t, []byte("x"))), nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := theirs.Write([]byte{'E'}); err != nil {
+		t.Fatal(err)
+	}
+	r := &refReader{conn: ours, files: map[uint32]*os.File{}}
+	defer r.closeFiles()
+	if got, err := io.ReadAll(r); err == nil {
+		t.Errorf("a stream passing an fd no frame names read as whole (%q)", got)
 	}
 }
