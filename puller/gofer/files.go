@@ -61,7 +61,7 @@ func RegisterFiles(mux *http.ServeMux, lookup Lookup) {
 	// Buffers of the usual read's size (the gofer reads 1 MiB at a time)
 	// are used again, not allocated per request.
 	bufs := &sync.Pool{New: func() any { b := make([]byte, 0, 1<<20); return &b }}
-	turns := &turns{byMount: map[string]chan struct{}{}}
+	turns := &turns{byMount: map[string]*mountTurns{}}
 	h := func(w http.ResponseWriter, r *http.Request) { serveFile(w, r, lookup, bufs, turns) }
 	mux.HandleFunc("GET /v1/mounts/{id}/files/{path...}", h)
 	mux.HandleFunc("HEAD /v1/mounts/{id}/files/{path...}", h)
@@ -70,33 +70,55 @@ func RegisterFiles(mux *http.ServeMux, lookup Lookup) {
 // turns bounds the requests served at once per mount id.
 type turns struct {
 	mu      sync.Mutex
-	byMount map[string]chan struct{}
+	byMount map[string]*mountTurns
+	// lookedUp, if set, is called by take between looking the mount
+	// up and waiting for a turn (tests).
+	lookedUp func(*mountTurns)
+}
+
+// mountTurns are one mount's turns, and how many requests hold or wait
+// for one: the mount's entry stays while any does, so that all of them
+// share one set of turns.
+type mountTurns struct {
+	c     chan struct{}
+	users int
 }
 
 // take waits for a turn of mount id (nil if ctx ends first); give the
 // turn back with give.
-func (t *turns) take(ctx context.Context, id string) chan struct{} {
+func (t *turns) take(ctx context.Context, id string) *mountTurns {
 	t.mu.Lock()
-	c, ok := t.byMount[id]
+	m, ok := t.byMount[id]
 	if !ok {
-		c = make(chan struct{}, MaxRequestsPerMount)
-		t.byMount[id] = c
+		m = &mountTurns{c: make(chan struct{}, MaxRequestsPerMount)}
+		t.byMount[id] = m
 	}
+	m.users++
 	t.mu.Unlock()
+	if t.lookedUp != nil {
+		t.lookedUp(m)
+	}
 	select {
-	case c <- struct{}{}:
-		return c
+	case m.c <- struct{}{}:
+		return m
 	case <-ctx.Done():
+		t.leave(id, m)
 		return nil
 	}
 }
 
-// give returns a turn taken from c.
-func (t *turns) give(id string, c chan struct{}) {
+// give returns a turn taken from m.
+func (t *turns) give(id string, m *mountTurns) {
+	<-m.c
+	t.leave(id, m)
+}
+
+// leave counts a request of m out, dropping the mount's entry with the
+// last.
+func (t *turns) leave(id string, m *mountTurns) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	<-c
-	if len(c) == 0 && t.byMount[id] == c {
+	if m.users--; m.users == 0 {
 		delete(t.byMount, id)
 	}
 }

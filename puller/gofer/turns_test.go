@@ -91,3 +91,44 @@ func TestRequestsPerMountBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestTurnsStayOneSet has a request look a mount up while all its turns
+// are held, then waits until every held turn is given back and as many
+// new requests have taken one before it lets the request go on: the new
+// requests must have taken turns of the same set the waiting request
+// looked up (it then waits for one of them), not of a second set made
+// after the first seemed unused, which would let twice
+// MaxRequestsPerMount reads of one mount run at once.
+func TestTurnsStayOneSet(t *testing.T) {
+	tu := &turns{byMount: map[string]*mountTurns{}}
+	ctx := context.Background()
+	held := make([]*mountTurns, MaxRequestsPerMount)
+	for i := range held {
+		held[i] = tu.take(ctx, "m")
+	}
+	looked, goOn := make(chan *mountTurns), make(chan struct{})
+	tu.lookedUp = func(m *mountTurns) { looked <- m; <-goOn }
+	waiter := make(chan *mountTurns)
+	go func() { waiter <- tu.take(ctx, "m") }()
+	seen := <-looked
+	tu.lookedUp = nil
+	for _, m := range held {
+		tu.give("m", m)
+	}
+	for i := range held {
+		held[i] = tu.take(ctx, "m")
+	}
+	close(goOn)
+	if held[0] != seen {
+		t.Errorf("after a mount's turns were all given back while a request waited, new requests took turns of a second set (%d and %d held at once)",
+			MaxRequestsPerMount, len(seen.c)+1)
+	}
+	tu.give("m", held[0])
+	got := <-waiter
+	for _, m := range append(held[1:], got) {
+		tu.give("m", m)
+	}
+	if len(tu.byMount) != 0 {
+		t.Errorf("%d mounts keep turns after all were given back", len(tu.byMount))
+	}
+}
