@@ -4,11 +4,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/cryo-oci/cryo/format"
@@ -406,4 +409,59 @@ func TestChunkIndexAfterGC(t *testing.T) {
 		t.Errorf("push to c after a was collected: %d bytes uploaded, %d chunk index hits", res.Stats.UploadedBytes, res.ChunkIndexHits)
 	}
 	pullsBack(t, c, tag, src)
+}
+
+// failingIndexDriver fails every write under the chunk index's root
+// while fail is set (the index's storage down).
+type failingIndexDriver struct {
+	storagedriver.StorageDriver
+	fail atomic.Bool
+}
+
+func (d *failingIndexDriver) PutContent(ctx context.Context, p string, content []byte) error {
+	if d.fail.Load() && strings.HasPrefix(p, chunkindex.Root) {
+		return errors.New("index storage down")
+	}
+	return d.StorageDriver.PutContent(ctx, p, content)
+}
+
+// TestIndexFailureIsCounted pushes a manifest while the index's storage
+// fails: the manifest is stored (201) and the failure counted in
+// /metrics, and a later PUT of the same manifest records its chunk.
+func TestIndexFailureIsCounted(t *testing.T) {
+	reg := startRegistry(t, "")
+	fd := &failingIndexDriver{StorageDriver: reg.srv.driver}
+	ns, err := storage.NewRegistry(context.Background(), fd, storage.EnableDelete)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg.srv.chunks = chunkindex.New(fd, ns, reg.srv.codec, chunkindex.Options{})
+	fc := zstdChunk(t, textData("f", 64<<10))
+	fd.fail.Store(true)
+	if code := putFileManifest(t, reg, "a", []fileChunk{fc}, 0); code != http.StatusCreated {
+		t.Fatalf("manifest PUT while the index is down: %d, want 201", code)
+	}
+	rec := httptest.NewRecorder()
+	reg.srv.MetricsHandler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	if !strings.Contains(rec.Body.String(), "cryo_registry_chunk_index_failures_total 1") {
+		t.Errorf("a failed indexing is not counted:\n%s", grepLines(rec.Body.String(), "cryo_registry_chunk_index"))
+	}
+	fd.fail.Store(false)
+	if code := putFileManifest(t, reg, "a", []fileChunk{fc}, 0); code != http.StatusCreated {
+		t.Fatalf("manifest PUT again: %d", code)
+	}
+	if found := lookupChunk(t, reg, fc.chunk.Digest); len(found) != 1 {
+		t.Errorf("after a PUT with the index back, lookup found %v", found)
+	}
+}
+
+// grepLines returns the lines of s that contain sub.
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }

@@ -143,7 +143,10 @@ func (m recordingManifests) Put(ctx context.Context, manifest distribution.Manif
 		note.subject = subject
 	}
 	if err := m.s.chunks.IndexManifest(rctx, m.repo, payload); err != nil {
+		// The manifest is stored and the client told so: its chunks
+		// are recorded by the next PUT that names them.
 		m.s.log.Error("index chunks", "repository", m.repo, "digest", d, "err", err)
+		m.s.metrics.indexFailures.Inc()
 	}
 	if err := m.s.bases.Record(rctx, m.repo, taggedAs(options), d, payload); err != nil {
 		m.s.log.Error("record latest v2 snapshot", "repository", m.repo, "digest", d, "err", err)

@@ -29,6 +29,9 @@ type metrics struct {
 	chunkVerifications *prometheus.CounterVec
 	// composedBytes counts frame bytes copied into composed packs.
 	composedBytes prometheus.Counter
+	// indexFailures counts manifest PUTs whose chunks could not be
+	// indexed at all.
+	indexFailures prometheus.Counter
 }
 
 func newMetrics(s *Server) *metrics {
@@ -58,6 +61,10 @@ func newMetrics(s *Server) *metrics {
 			Name: "cryo_registry_composed_bytes_total",
 			Help: "Frame bytes the registry copied, verified, into packs it composed for format v2 pushers (bytes not uploaded).",
 		}),
+		indexFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "cryo_registry_chunk_index_failures_total",
+			Help: "Manifest PUTs, stored and answered 201, whose chunks the chunk index could not record (its storage failed, or the chunk table could not be read or parsed): a later PUT naming them records them.",
+		}),
 	}
 	readOnly := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "cryo_registry_read_only",
@@ -68,7 +75,7 @@ func newMetrics(s *Server) *metrics {
 		}
 		return 0
 	})
-	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.requests, m.chunkLookups, m.chunkVerifications, m.composedBytes, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
+	m.reg.MustRegister(m.bytesServed, m.bytesReceived, m.requests, m.chunkLookups, m.chunkVerifications, m.composedBytes, m.indexFailures, readOnly, &statsCollector{server: s, ttl: 30 * time.Second})
 	return m
 }
 

@@ -195,34 +195,35 @@ func withNeighbor(packs []digest.Digest, p digest.Digest) ([]digest.Digest, bool
 func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descriptor, frames []listedFrame, neighbors []digest.Digest) error {
 	lp := PackListPath(p.Digest)
 	var list packList
-	changed := true
+	var changed bool
 	data, err := ci.driver.GetContent(ctx, lp)
 	if err != nil && !extstore.IsNotFound(err) {
 		// A list other repositories wrote is not overwritten on a failed
 		// read: only one that is not there is started anew.
 		return fmt.Errorf("read list of pack %s: %w", p.Digest, err)
 	}
-	if err == nil && json.Unmarshal(data, &list) == nil && list.Size == p.Size {
-		list.Repositories, changed = withRepository(list.Repositories, repo)
-		have := make(map[int64]bool, len(list.Frames))
-		for _, f := range list.Frames {
+	fresh := err != nil || json.Unmarshal(data, &list) != nil || list.Size != p.Size
+	if fresh {
+		list = packList{Size: p.Size}
+	}
+	list.Repositories, changed = withRepository(list.Repositories, repo)
+	changed = changed || fresh
+	have := make(map[int64]bool, len(list.Frames))
+	for _, f := range list.Frames {
+		have[f.Offset] = true
+	}
+	for _, f := range frames {
+		// A chunk the table names twice has one frame: listed once.
+		if !have[f.Offset] && len(list.Frames) < maxListedFrames {
 			have[f.Offset] = true
+			list.Frames = append(list.Frames, f)
+			changed = true
 		}
-		for _, f := range frames {
-			if !have[f.Offset] && len(list.Frames) < maxListedFrames {
-				have[f.Offset] = true
-				list.Frames = append(list.Frames, f)
-				changed = true
-			}
-		}
-		for _, n := range neighbors {
-			var added bool
-			list.Neighbors, added = withNeighbor(list.Neighbors, n)
-			changed = changed || added
-		}
-	} else {
-		list = packList{Repositories: []string{repo}, Size: p.Size, Frames: frames[:min(len(frames), maxListedFrames)],
-			Neighbors: neighbors[max(0, len(neighbors)-maxNeighbors):]}
+	}
+	for _, n := range neighbors {
+		var added bool
+		list.Neighbors, added = withNeighbor(list.Neighbors, n)
+		changed = changed || added
 	}
 	if !changed {
 		return nil

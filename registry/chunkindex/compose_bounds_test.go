@@ -2,6 +2,7 @@ package chunkindex_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"runtime"
 	"slices"
@@ -28,7 +29,7 @@ func newEnv(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &env{t: t, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(mem, ns, codec, chunkindex.Options{})}
+	return &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(mem, ns, codec, chunkindex.Options{})}
 }
 
 // TestComposeReadsFramesWithoutBlobBuffers composes 16 tiny frames from
@@ -104,5 +105,29 @@ func TestComposeSkipsAnchorsOfHiddenRepositories(t *testing.T) {
 	}
 	if len(resp.Frames) != 1 {
 		t.Errorf("composition found no frame of a chunk a visible repository holds, behind %d entries of a hidden one", len(lies))
+	}
+}
+
+// TestPackListNamesAFrameOnce pushes a table naming one frame for two
+// chunks of the file (the same memory twice): the pack's new list must
+// list the frame once.
+func TestPackListNamesAFrameOnce(t *testing.T) {
+	e := newEnv(t)
+	f := e.zstdPack("a", "twice-")
+	if err := e.pushTable("a", []frame{f, f}); err != nil {
+		t.Fatal(err)
+	}
+	data, err := e.driver.GetContent(e.ctx, chunkindex.PackListPath(f.pack.Digest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list struct {
+		Frames []json.RawMessage `json:"frames"`
+	}
+	if err := json.Unmarshal(data, &list); err != nil {
+		t.Fatal(err)
+	}
+	if len(list.Frames) != 1 {
+		t.Errorf("a new pack list names one frame %d times: %s", len(list.Frames), data)
 	}
 }

@@ -38,7 +38,7 @@ func TestReadErrorKeepsSharedIndexState(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &env{t: t, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(fd, ns, codec, chunkindex.Options{})}
+	e := &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(fd, ns, codec, chunkindex.Options{})}
 	f := e.zstdPack("a", "shared-data-")
 	if err := e.pushTable("a", []frame{f}); err != nil {
 		t.Fatal(err)
@@ -75,11 +75,12 @@ func (f *flaky) GetContent(ctx context.Context, p string) ([]byte, error) {
 
 // env indexes tables and packs in one in-memory registry.
 type env struct {
-	t     *testing.T
-	ctx   context.Context
-	ns    distribution.Namespace
-	ci    *chunkindex.Index
-	codec *format.Codec
+	t      *testing.T
+	driver driver.StorageDriver
+	ctx    context.Context
+	ns     distribution.Namespace
+	ci     *chunkindex.Index
+	codec  *format.Codec
 }
 
 // put uploads data to repo as a pack.
