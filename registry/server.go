@@ -28,6 +28,7 @@ import (
 	"github.com/distribution/reference"
 	"github.com/gorilla/mux"
 	"github.com/opencontainers/go-digest"
+	"github.com/redis/go-redis/v9"
 
 	// Storage drivers selectable in the configuration.
 	"github.com/distribution/distribution/v3/registry/storage/driver/factory"
@@ -61,7 +62,18 @@ type Options struct {
 	// taking a response before its connection is closed (see
 	// DefaultStallTimeout, the default when 0).
 	StallTimeout time.Duration
+	// Anchors is where the chunk index keeps the anchors of format v2
+	// tables: AnchorsStorage (the default when empty), beside the rest of
+	// the index in the storage driver, or AnchorsRedis, in the redis of
+	// the configuration, which replicas share (docs/scale.md).
+	Anchors string
 }
+
+// Where the chunk index keeps anchors (Options.Anchors).
+const (
+	AnchorsStorage = "storage"
+	AnchorsRedis   = "redis"
+)
 
 // Server is a running registry's HTTP handler and storage.
 type Server struct {
@@ -83,7 +95,10 @@ type Server struct {
 	handler  http.Handler
 	mirrorOf string
 	maint    *maintenance.Maintainer
-	stop     context.CancelFunc
+	// anchorRedis keeps the chunk index's anchors (Options.Anchors), if
+	// they are in redis.
+	anchorRedis redis.UniversalClient
+	stop        context.CancelFunc
 	// mirrorFills joins concurrent first requests for a blob in mirror
 	// mode (fillMirror).
 	mirrorFills singleflight.Group
@@ -133,7 +148,21 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	if s.codec, err = format.NewCodec(0); err != nil {
 		return nil, err
 	}
-	s.chunks = chunkindex.New(s.driver, s.ns, s.codec, chunkindex.Options{Logger: opts.Logger, OnVerify: s.metrics.chunkVerified})
+	ciOpts := chunkindex.Options{Logger: opts.Logger, OnVerify: s.metrics.chunkVerified}
+	switch opts.Anchors {
+	case "", AnchorsStorage:
+	case AnchorsRedis:
+		if len(cfg.Redis.Options.Addrs) == 0 {
+			return nil, fmt.Errorf("registry: chunk index anchors in redis, but the configuration names no redis (redis.addrs)")
+		}
+		if s.anchorRedis, err = maintenance.RedisClient(&cfg.Redis); err != nil {
+			return nil, fmt.Errorf("registry: redis for chunk index anchors: %w", err)
+		}
+		ciOpts.Redis = s.anchorRedis
+	default:
+		return nil, fmt.Errorf("registry: chunk index anchors in %q: want %q or %q", opts.Anchors, AnchorsStorage, AnchorsRedis)
+	}
+	s.chunks = chunkindex.New(s.driver, s.ns, s.codec, ciOpts)
 	s.refs = referrers.New(s.driver, s.ns)
 	s.bases = bases.New(s.driver, s.ns)
 	var redis *configuration.Redis
@@ -183,6 +212,9 @@ func (s *Server) Close() error {
 	s.stop()
 	err := s.app.Shutdown()
 	s.codec.Close()
+	if s.anchorRedis != nil {
+		s.anchorRedis.Close()
+	}
 	return err
 }
 

@@ -2,6 +2,7 @@ package scale
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"net/http"
 	"os"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
+	goredis "github.com/redis/go-redis/v9"
 )
 
 // chartConfig renders the cryo-registry Helm chart for replicas on the
@@ -64,7 +67,8 @@ func chartConfig(t *testing.T, w *testenv.SeaweedFS, redis string) string {
 func startReplica(t *testing.T, cryo, cfg string) *testenv.Registry {
 	t.Helper()
 	addr, maddr := testenv.FreeAddr(t), testenv.FreeAddr(t)
-	r := testenv.StartCommand(t, addr, cryo, "registry", "serve", "--config", cfg, "--addr", addr, "--metrics-addr", maddr)
+	// As the chart runs them with redis.chunkIndexAnchors.
+	r := testenv.StartCommand(t, addr, cryo, "registry", "serve", "--config", cfg, "--addr", addr, "--metrics-addr", maddr, "--chunk-index-anchors", "redis")
 	r.MetricsAddr = maddr
 	return r
 }
@@ -84,6 +88,8 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 		t.Setenv(k, v)
 	}
 	cfg := chartConfig(t, weed, redis)
+	rc := goredis.NewClient(&goredis.Options{Addr: redis})
+	defer rc.Close()
 	a := startReplica(t, cryo, cfg)
 	b := startReplica(t, cryo, cfg)
 
@@ -118,6 +124,11 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 					f.format, r2.Stats.UploadedBytes, r2.Stats.StoredBytes, r2.ChunkIndexHits, r2.Stats.ComposedBytes, f.maxPart)
 			}
 			testenv.SameImage(t, img2, pull(t, cryo, a.Addr+"/"+f.repo+":v1"))
+		}
+		// The v2 compositions found their packs through anchors in the
+		// shared redis, not in the object store.
+		if n := anchorPacks(t, rc); n == 0 {
+			t.Error("no chunk index anchors in redis after v2 pushes through replicas that keep them there")
 		}
 	})
 
@@ -175,7 +186,8 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 
 	t.Run("gc against the shared store while replicas serve", func(t *testing.T) {
 		deleteSnapshot(t, a.Addr, "app", "v1")
-		gc := exec.Command(cryo, "registry", "gc", "--json", "--config", cfg, "--delete-untagged", "--read-only-wait", "15s", "--grace", "0")
+		anchorsBefore := anchorPacks(t, rc)
+		gc := exec.Command(cryo, "registry", "gc", "--json", "--config", cfg, "--delete-untagged", "--read-only-wait", "15s", "--grace", "0", "--chunk-index-anchors", "redis")
 		var out, errOut bytes.Buffer
 		gc.Stdout, gc.Stderr = &out, &errOut
 		if err := gc.Start(); err != nil {
@@ -204,6 +216,10 @@ func TestReplicasOnSeaweedFS(t *testing.T) {
 		}
 		if res.CacheEntriesCleared == 0 {
 			t.Errorf("gc flushed no redis cache entries: %+v", res)
+		}
+		// app:v1's packs are gone: so are the anchors naming them.
+		if after := anchorPacks(t, rc); after >= anchorsBefore {
+			t.Errorf("anchors in redis name %d packs after gc deleted a snapshot's, %d before", after, anchorsBefore)
 		}
 		for _, r := range []*testenv.Registry{a, b} {
 			if code, body := uploadStatus(r.Addr, http.StatusAccepted, 10*time.Second); code != http.StatusAccepted {
@@ -252,4 +268,23 @@ func lastLine(s string) string {
 		return s[i+1:]
 	}
 	return s
+}
+
+// anchorPacks counts the packs the chunk index's anchors in redis name.
+func anchorPacks(t *testing.T, rc *goredis.Client) int64 {
+	t.Helper()
+	ctx := context.Background()
+	var n int64
+	iter := rc.Scan(ctx, 0, chunkindex.RedisAnchorPrefix+"*", 1000).Iterator()
+	for iter.Next(ctx) {
+		c, err := rc.ZCard(ctx, iter.Val()).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += c
+	}
+	if err := iter.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

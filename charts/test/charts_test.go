@@ -130,6 +130,7 @@ func TestChartsRefuseBadValues(t *testing.T) {
 		{"cryo-registry", []string{"mirror.enabled=true"}, "mirror.remoteURL"},
 		{"cryo-registry", []string{"tls.enabled=true"}, "tls.secretName"},
 		{"cryo-registry", []string{"redis.enabled=true"}, "redis.addr"},
+		{"cryo-registry", []string{"redis.chunkIndexAnchors=true"}, "redis.enabled"},
 		{"cryo-registry", []string{"auth.htpasswd.enabled=true"}, "auth.htpasswd.existingSecret"},
 		{"cryo-puller", []string{"hostPaths.cache=var/lib/cryo"}, "hostPaths.cache"},
 		{"cryo-puller", []string{"cache.sizeBytes=200Gi"}, "cache.sizeBytes"},
@@ -432,10 +433,24 @@ func checkRegistry(t *testing.T, r *rendered) {
 	if mirror == (len(r.cronJobs) == 1) {
 		t.Errorf("mirror %v with %d gc CronJobs: want gc on primaries only", mirror, len(r.cronJobs))
 	}
+	anchors := func(args []string) string {
+		for _, a := range args {
+			if v, ok := strings.CutPrefix(a, "--chunk-index-anchors="); ok {
+				return v
+			}
+		}
+		return "storage"
+	}
+	if anchors(c.Args) == "redis" && len(cfg.Redis.Options.Addrs) == 0 {
+		t.Error("chunk index anchors in redis, but the configuration names no redis")
+	}
 	for _, cj := range r.cronJobs {
 		gc := cj.Spec.JobTemplate.Spec.Template.Spec.Containers[0]
 		if !slices.ContainsFunc(gc.Args, func(a string) bool { return strings.HasPrefix(a, "--read-only-wait=") }) {
 			t.Error("gc CronJob does not put the registry in read-only mode")
+		}
+		if a, b := anchors(c.Args), anchors(gc.Args); a != b {
+			t.Errorf("the replicas keep chunk index anchors in %s, gc prunes them in %s", a, b)
 		}
 		if cj.Spec.ConcurrencyPolicy != batchv1.ForbidConcurrent {
 			t.Error("two gc jobs may run at once")

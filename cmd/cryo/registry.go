@@ -18,6 +18,7 @@ import (
 // or a distribution YAML config.
 type storeFlags struct {
 	root, config, addr string
+	anchors            string
 	cmd                *cobra.Command
 }
 
@@ -28,6 +29,13 @@ func (f *storeFlags) register(cmd *cobra.Command, withAddr bool) {
 	if withAddr {
 		cmd.Flags().StringVar(&f.addr, "addr", registry.DefaultAddr, "listen address")
 	}
+}
+
+// registerAnchors adds --chunk-index-anchors, for the commands that
+// write or prune the chunk index (serve, gc).
+func (f *storeFlags) registerAnchors(cmd *cobra.Command) {
+	cmd.Flags().StringVar(&f.anchors, "chunk-index-anchors", registry.AnchorsStorage,
+		`where the chunk index keeps the anchors of format v2 snapshots: "storage" (beside the rest of the index, in the storage driver) or "redis" (the configuration's redis, which replicas share: one round trip per lookup instead of a LIST and a GET on an object store); every replica and gc must use the same`)
 }
 
 func (f *storeFlags) load() (*configuration.Configuration, error) {
@@ -59,7 +67,7 @@ func (f *storeFlags) open(ctx context.Context) (*registry.Server, error) {
 	if err := registry.ConfigureLogging(cfg); err != nil {
 		return nil, err
 	}
-	return registry.New(ctx, cfg, registry.Options{ReadOnlyPoll: -1})
+	return registry.New(ctx, cfg, registry.Options{ReadOnlyPoll: -1, Anchors: f.anchors})
 }
 
 func newRegistryCmd() *cobra.Command {
@@ -111,7 +119,7 @@ pushes are refused. Prometheus metrics are served on --metrics-addr.`,
 			if err := registry.ConfigureLogging(cfg); err != nil {
 				return err
 			}
-			srv, err := registry.New(ctx, cfg, registry.Options{DistributionMetrics: true, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+			srv, err := registry.New(ctx, cfg, registry.Options{DistributionMetrics: true, Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)), Anchors: sf.anchors})
 			if err != nil {
 				return err
 			}
@@ -142,6 +150,7 @@ pushes are refused. Prometheus metrics are served on --metrics-addr.`,
 		},
 	}
 	sf.register(cmd, true)
+	sf.registerAnchors(cmd)
 	cmd.Flags().StringVar(&mirrorOf, "mirror-of", "", "run as a pull-through cache (mirror) of the registry at this URL")
 	cmd.Flags().StringVar(&metricsAddr, "metrics-addr", "127.0.0.1:5001", "listen address of the Prometheus /metrics endpoint (empty: none)")
 	return cmd
@@ -218,6 +227,7 @@ nodes still loading such a snapshot lose its chunks.`,
 		},
 	}
 	sf.register(cmd, false)
+	sf.registerAnchors(cmd)
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "print what would be deleted, delete nothing")
 	cmd.Flags().BoolVar(&deleteUntagged, "delete-untagged", false, "also delete manifests that no tag reaches (and untagged referrers)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")

@@ -15,6 +15,7 @@ import (
 	"path"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
@@ -23,6 +24,7 @@ import (
 	"github.com/distribution/distribution/v3"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/redis/go-redis/v9"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/semaphore"
 )
@@ -51,6 +53,9 @@ type Index struct {
 	mem        *semaphore.Weighted
 	composeMem *semaphore.Weighted
 	bufs       sync.Pool
+	// anchors keeps the anchors of v2 tables: in the storage driver, or
+	// in redis (Options.Redis).
+	anchors anchorStore
 }
 
 // Root is where the index lives in the storage driver.
@@ -72,6 +77,10 @@ type Options struct {
 	// OnVerify, if set, is called after each chunk verification with
 	// whether the blob held the chunk (for metrics).
 	OnVerify func(ok bool)
+	// Redis, if set, keeps the anchors of format v2 tables (SPEC.md
+	// 12.2.1) instead of the storage driver. Frame lists and v1 entries
+	// stay in the driver.
+	Redis redis.UniversalClient
 }
 
 // New returns the index kept in driver, which verifies blobs through ns
@@ -88,6 +97,10 @@ func New(driver extstore.Driver, ns distribution.Namespace, codec *format.Codec,
 		mem:        semaphore.NewWeighted(max(verifyMemory, 2*format.MaxChunkSize)),
 		composeMem: semaphore.NewWeighted(composeMemory)}
 	ci.bufs.New = func() any { return new([]byte) }
+	ci.anchors = driverAnchors{ci}
+	if opts.Redis != nil {
+		ci.anchors = redisAnchors{client: opts.Redis, now: time.Now}
+	}
 	return ci
 }
 
@@ -473,7 +486,24 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		_ = ci.put(ctx, p, b)
 		return false
 	})
-	return lists + entries, err
+	if err != nil {
+		return lists + entries, err
+	}
+	if ra, ok := ci.anchors.(redisAnchors); ok {
+		// A pack whose list is gone is linked in no repository.
+		n, err := ra.prune(ctx, func(pack digest.Digest) (bool, error) {
+			_, err := ci.driver.Stat(ctx, PackListPath(pack))
+			if extstore.IsNotFound(err) {
+				return false, nil
+			}
+			return err == nil, err
+		})
+		entries += n
+		if err != nil {
+			return lists + entries, err
+		}
+	}
+	return lists + entries, nil
 }
 
 // pruneNeighbors drops the packs in gone from the neighbors of every

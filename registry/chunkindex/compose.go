@@ -169,7 +169,7 @@ func (ci *Index) indexFrames(ctx context.Context, repo string, r distribution.Re
 			continue
 		}
 		seen[k] = true
-		g.Go(func() error { return ci.indexAnchor(gctx, repo, c) })
+		g.Go(func() error { return ci.anchors.add(gctx, repo, c) })
 	}
 	return g.Wait()
 }
@@ -233,41 +233,6 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 		return fmt.Errorf("index pack %s: %w", p.Digest, err)
 	}
 	return nil
-}
-
-// indexAnchor records that anchor chunk c has a frame in its pack, linked
-// in repo.
-func (ci *Index) indexAnchor(ctx context.Context, repo string, c format.Chunk) error {
-	p := EntryPath(c.Digest, c.Blob)
-	e := indexEntry{Frame: true, ChunkBlob: api.ChunkBlob{
-		Encoding: string(c.Encoding), MediaType: format.MediaTypePack, Digest: c.Blob, Size: c.PackSize, ChunkSize: c.Size}}
-	data, err := ci.driver.GetContent(ctx, p)
-	if err != nil && !extstore.IsNotFound(err) {
-		return fmt.Errorf("read anchor %s: %w", p, err)
-	}
-	if err == nil {
-		var old indexEntry
-		if json.Unmarshal(data, &old) == nil {
-			if old.Verified {
-				// A verified v1 entry at this path is a raw chunk blob
-				// that is also a pack of one frame; compositions take
-				// frames of packs only.
-				return nil
-			}
-			if old.Frame {
-				// An anchor says which repositories link its pack (the
-				// pack's list locates the frame): no table can take the
-				// other repositories out.
-				e = old
-			}
-		}
-	}
-	repos, changed := withRepository(e.Repositories, repo)
-	if !changed {
-		return nil
-	}
-	e.Repositories = repos
-	return ci.put(ctx, p, e)
 }
 
 // pruneRepositories keeps, of repos, those that still link blob d, and
@@ -461,42 +426,29 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 		if !(isAnchor(want.Digest) || i == 0) || packs == composeSources {
 			continue
 		}
-		entries, err := s.ci.driver.List(ctx, chunkDir(want.Digest))
-		if extstore.IsNotFound(err) {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
 		taken := 0
-		for _, p := range entries[:min(len(entries), composeEntryReads)] {
+		err := s.ci.anchors.each(ctx, want.Digest, composeEntryReads, func(a anchor) (bool, error) {
 			if taken == composeEntries || budget == 0 {
-				break
+				return false, nil
 			}
 			budget--
-			data, err := s.ci.driver.GetContent(ctx, p)
-			if err != nil {
-				continue
+			if seen[a.pack] || (a.repos != nil && !slices.ContainsFunc(a.repos, s.visible)) {
+				return true, nil
 			}
-			var e indexEntry
-			if json.Unmarshal(data, &e) != nil || !e.Frame || e.Digest.Validate() != nil || seen[e.Digest] ||
-				!slices.ContainsFunc(e.Repositories, s.visible) {
-				continue
+			list, n, err := s.addPack(a.pack, a.repos, wanted, out)
+			if err != nil || list == nil {
+				return err == nil, err
 			}
+			seen[a.pack] = true
 			taken++
-			list, n, err := s.addPack(e.Digest, e.Repositories, wanted, out)
-			if err != nil {
-				return nil, err
-			}
-			if list != nil {
-				seen[e.Digest] = true
-			}
 			if n > 0 {
 				found = append(found, list)
-				if packs++; packs == composeSources {
-					break
-				}
+				packs++
 			}
+			return packs < composeSources, nil
+		})
+		if err != nil {
+			return nil, err
 		}
 	}
 	// One hop to the neighbors of the packs found, while chunks are

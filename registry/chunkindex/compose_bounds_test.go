@@ -17,7 +17,10 @@ import (
 )
 
 // newEnv returns an index on an empty in-memory registry.
-func newEnv(t *testing.T) *env {
+func newEnv(t *testing.T) *env { return newEnvWith(t, chunkindex.Options{}) }
+
+// newEnvWith returns an index with opts on an empty in-memory registry.
+func newEnvWith(t *testing.T, opts chunkindex.Options) *env {
 	t.Helper()
 	ctx := context.Background()
 	mem := inmemory.New()
@@ -29,7 +32,7 @@ func newEnv(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(mem, ns, codec, chunkindex.Options{})}
+	return &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(mem, ns, codec, opts)}
 }
 
 // TestComposeReadsFramesWithoutBlobBuffers composes 16 tiny frames from
@@ -75,7 +78,11 @@ func TestComposeReadsFramesWithoutBlobBuffers(t *testing.T) {
 // must still find the true frame (SPEC.md 12.2.1: only callers who may
 // pull from the liar's repository can lose dedup to it).
 func TestComposeSkipsAnchorsOfHiddenRepositories(t *testing.T) {
-	e := newEnv(t)
+	t.Run("storage", func(t *testing.T) { composeSkipsHiddenAnchors(t, newEnv(t)) })
+	t.Run("redis", func(t *testing.T) { composeSkipsHiddenAnchors(t, newEnvWith(t, chunkindex.Options{Redis: startRedis(t)})) })
+}
+
+func composeSkipsHiddenAnchors(t *testing.T, e *env) {
 	var real frame
 	for i := 0; ; i++ {
 		real = e.zstdPack("public", fmt.Sprintf("public-%d-", i))

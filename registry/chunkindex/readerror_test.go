@@ -133,12 +133,19 @@ func (e *env) pushTable(repo string, frames []frame) error {
 
 // zstdPack makes a pack of one zstd frame of a 4 KiB chunk.
 func (e *env) zstdPack(repo, seed string) frame {
+	f, enc := e.zstdFrame(seed)
+	f.pack = e.put(repo, enc)
+	return f
+}
+
+// zstdFrame returns the zstd frame of a 4 KiB chunk made of seed, and its
+// bytes (f.pack unset).
+func (e *env) zstdFrame(seed string) (frame, []byte) {
 	chunk := bytes.Repeat([]byte(seed), 4096/len(seed)+1)[:4096]
 	ch := format.Chunk{Size: 4096, Encoding: format.EncodingZstd, Digest: digest.FromBytes(chunk)}
 	got, enc := e.codec.Compress(ch, chunk, nil)
 	if got.Encoding != format.EncodingZstd {
 		e.t.Fatal("not compressed")
 	}
-	p := e.put(repo, enc)
-	return frame{chunk: ch.Digest, size: 4096, pack: p, length: int64(len(enc))}
+	return frame{chunk: ch.Digest, size: 4096, length: int64(len(enc))}, enc
 }

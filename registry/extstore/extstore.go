@@ -23,6 +23,7 @@ type Driver interface {
 	Reader(ctx context.Context, path string, offset int64) (io.ReadCloser, error)
 	PutContent(ctx context.Context, path string, content []byte) error
 	List(ctx context.Context, path string) ([]string, error)
+	Stat(ctx context.Context, path string) (storagedriver.FileInfo, error)
 	Delete(ctx context.Context, path string) error
 	Walk(ctx context.Context, path string, f storagedriver.WalkFn, options ...func(*storagedriver.WalkOptions)) error
 }

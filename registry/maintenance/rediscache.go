@@ -50,10 +50,14 @@ func UsesRedisCache(cfg *configuration.Configuration) bool {
 	return ok && c["blobdescriptor"] == "redis" && len(cfg.Redis.Options.Addrs) > 0
 }
 
-// redisClient connects to the configured redis as distribution's app does
-// (addresses, credentials, sentinel, TLS roots and client certificate).
-func (m *Maintainer) redisClient() (redis.UniversalClient, error) {
-	o := m.redis.Options
+// redisClient connects to the configured redis.
+func (m *Maintainer) redisClient() (redis.UniversalClient, error) { return RedisClient(m.redis) }
+
+// RedisClient connects to the redis of a distribution configuration as
+// distribution's app does (addresses, credentials, sentinel, TLS roots
+// and client certificate).
+func RedisClient(r *configuration.Redis) (redis.UniversalClient, error) {
+	o := r.Options
 	opts := &redis.UniversalOptions{
 		Addrs: o.Addrs, ClientName: o.ClientName, DB: o.DB, Protocol: o.Protocol,
 		Username: o.Username, Password: o.Password,
@@ -61,7 +65,7 @@ func (m *Maintainer) redisClient() (redis.UniversalClient, error) {
 		DialTimeout: o.DialTimeout, ReadTimeout: o.ReadTimeout, WriteTimeout: o.WriteTimeout,
 		DisableIdentity: o.DisableIdentity,
 	}
-	t := m.redis.TLS
+	t := r.TLS
 	if t.Certificate != "" || len(t.RootCAs) > 0 {
 		tc := &tls.Config{MinVersion: tls.VersionTLS12}
 		if t.Certificate != "" && t.Key != "" {

@@ -79,6 +79,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.redis.enabled (not .Values.redis.addr) }}
 {{- fail "redis.addr (host:port) is required with redis.enabled" }}
 {{- end }}
+{{- if and .Values.redis.chunkIndexAnchors (not .Values.redis.enabled) }}
+{{- fail "redis.chunkIndexAnchors needs redis.enabled and redis.addr" }}
+{{- end }}
 {{- end }}
 
 {{/* The distribution configuration, without secrets (they come from env). */}}

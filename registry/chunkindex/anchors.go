@@ -1,0 +1,211 @@
+package chunkindex
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/extstore"
+	"github.com/opencontainers/go-digest"
+	"github.com/redis/go-redis/v9"
+)
+
+// anchor is a pack an anchor chunk's record names as holding a frame of
+// it, and the repositories recorded as linking the pack (nil when the
+// store records none: the pack's list then says).
+type anchor struct {
+	pack  digest.Digest
+	repos []string
+}
+
+// anchorStore keeps the anchors of format v2 tables (SPEC.md 12.2.1).
+// Anchors are hints: a composition reads the pack's list and checks every
+// frame it copies, so a store may lose or confuse them at the cost of
+// dedup only.
+type anchorStore interface {
+	// add records that anchor chunk c has a frame in pack c.Blob,
+	// linked in repo.
+	add(ctx context.Context, repo string, c format.Chunk) error
+	// each calls fn with the anchors of chunk d, at most limit of them,
+	// until fn answers false or an error.
+	each(ctx context.Context, d digest.Digest, limit int, fn func(anchor) (bool, error)) error
+}
+
+// driverAnchors keeps each anchor as an entry of the index in the storage
+// driver, beside v1 entries: /cryo/v1/chunks/sha256/<hh>/<chunk>/<pack>
+// with "frame": true and the repositories that link the pack. gc prunes
+// them with the v1 entries (Index.Prune).
+type driverAnchors struct{ ci *Index }
+
+func (a driverAnchors) add(ctx context.Context, repo string, c format.Chunk) error {
+	ci := a.ci
+	p := EntryPath(c.Digest, c.Blob)
+	e := indexEntry{Frame: true, ChunkBlob: api.ChunkBlob{
+		Encoding: string(c.Encoding), MediaType: format.MediaTypePack, Digest: c.Blob, Size: c.PackSize, ChunkSize: c.Size}}
+	data, err := ci.driver.GetContent(ctx, p)
+	if err != nil && !extstore.IsNotFound(err) {
+		return fmt.Errorf("read anchor %s: %w", p, err)
+	}
+	if err == nil {
+		var old indexEntry
+		if json.Unmarshal(data, &old) == nil {
+			if old.Verified {
+				// A verified v1 entry at this path is a raw chunk blob
+				// that is also a pack of one frame; compositions take
+				// frames of packs only.
+				return nil
+			}
+			if old.Frame {
+				// An anchor says which repositories link its pack (the
+				// pack's list locates the frame): no table can take the
+				// other repositories out.
+				e = old
+			}
+		}
+	}
+	repos, changed := withRepository(e.Repositories, repo)
+	if !changed {
+		return nil
+	}
+	e.Repositories = repos
+	return ci.put(ctx, p, e)
+}
+
+func (a driverAnchors) each(ctx context.Context, d digest.Digest, limit int, fn func(anchor) (bool, error)) error {
+	entries, err := a.ci.driver.List(ctx, chunkDir(d))
+	if extstore.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	for _, p := range entries[:min(len(entries), limit)] {
+		data, err := a.ci.driver.GetContent(ctx, p)
+		if err != nil {
+			continue
+		}
+		var e indexEntry
+		if json.Unmarshal(data, &e) != nil || !e.Frame || e.Digest.Validate() != nil {
+			continue
+		}
+		if more, err := fn(anchor{pack: e.Digest, repos: e.Repositories}); !more || err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// redisAnchors keeps the anchors in redis, which replicas share: one
+// sorted set per anchor chunk, keyed by the first 8 bytes of its digest
+// (two chunks that share them share a set: a composition then reads a
+// list that does not hold the chunk it wants, and finds nothing there),
+// whose members are pack digests (hex) scored by the time they were last
+// recorded. A set keeps its newest maxRedisAnchors packs. One lookup is
+// one round trip, where the storage driver costs a List and a GET per
+// entry: on an object store, 20-50 ms each (docs/scale.md).
+type redisAnchors struct {
+	client redis.UniversalClient
+	now    func() time.Time
+}
+
+// RedisAnchorPrefix starts the keys of the anchors kept in redis.
+const RedisAnchorPrefix = "cryo:anchor:"
+
+// maxRedisAnchors bounds the packs an anchor's set keeps: what a
+// composition reads of one chunk (composeEntryReads).
+const maxRedisAnchors = composeEntryReads
+
+func redisAnchorKey(d digest.Digest) string { return RedisAnchorPrefix + d.Encoded()[:16] }
+
+func (a redisAnchors) add(ctx context.Context, _ string, c format.Chunk) error {
+	key := redisAnchorKey(c.Digest)
+	_, err := a.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		p.ZAdd(ctx, key, redis.Z{Score: float64(a.now().UnixMilli()), Member: c.Blob.Encoded()})
+		p.ZRemRangeByRank(ctx, key, 0, -maxRedisAnchors-1)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("record anchor %s in redis: %w", c.Digest, err)
+	}
+	return nil
+}
+
+func (a redisAnchors) each(ctx context.Context, d digest.Digest, limit int, fn func(anchor) (bool, error)) error {
+	packs, err := a.client.ZRevRange(ctx, redisAnchorKey(d), 0, int64(limit)-1).Result()
+	if err != nil {
+		return fmt.Errorf("anchors of %s in redis: %w", d, err)
+	}
+	for _, hex := range packs {
+		pack := digest.NewDigestFromEncoded(digest.SHA256, hex)
+		if pack.Validate() != nil {
+			continue
+		}
+		if more, err := fn(anchor{pack: pack}); !more || err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// prune drops from every anchor's set the packs whose lists are gone
+// (gc deleted them: no repository links the pack), and the sets left
+// empty (redis deletes them); it returns how many packs it dropped. On a
+// redis cluster it walks every master.
+func (a redisAnchors) prune(ctx context.Context, listed func(pack digest.Digest) (bool, error)) (int, error) {
+	var dropped atomic.Int64
+	walk := func(ctx context.Context, c redis.UniversalClient) error {
+		iter := c.Scan(ctx, 0, RedisAnchorPrefix+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			key := iter.Val()
+			packs, err := c.ZRange(ctx, key, 0, -1).Result()
+			if err != nil {
+				return err
+			}
+			var stale []any
+			for _, hex := range packs {
+				pack := digest.NewDigestFromEncoded(digest.SHA256, hex)
+				ok := pack.Validate() == nil
+				if ok {
+					if ok, err = listed(pack); err != nil {
+						return err
+					}
+				}
+				if !ok {
+					stale = append(stale, hex)
+				}
+			}
+			if len(stale) == 0 {
+				continue
+			}
+			n, err := c.ZRem(ctx, key, stale...).Result()
+			if err != nil {
+				return err
+			}
+			dropped.Add(n)
+		}
+		return iter.Err()
+	}
+	var err error
+	if cc, ok := a.client.(*redis.ClusterClient); ok {
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return walk(ctx, c) })
+	} else {
+		err = walk(ctx, a.client)
+	}
+	if err != nil {
+		return int(dropped.Load()), fmt.Errorf("prune anchors in redis: %w", err)
+	}
+	return int(dropped.Load()), nil
+}
+
+// AnchorsIn reports where an index keeps its anchors, for logs and
+// --help: "storage" or "redis".
+func (ci *Index) AnchorsIn() string {
+	if _, ok := ci.anchors.(redisAnchors); ok {
+		return "redis"
+	}
+	return "storage"
+}

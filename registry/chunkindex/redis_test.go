@@ -1,0 +1,111 @@
+package chunkindex_test
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cryo-oci/cryo/internal/testenv"
+	"github.com/cryo-oci/cryo/registry/api"
+	"github.com/cryo-oci/cryo/registry/chunkindex"
+	"github.com/distribution/reference"
+	"github.com/redis/go-redis/v9"
+)
+
+// startRedis starts a redis-server and returns a client of it.
+func startRedis(t *testing.T) redis.UniversalClient {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: testenv.StartRedis(t)})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// TestRedisAnchors keeps the anchors in redis: a pack pushed to a is
+// found by a composition for b of a caller who may pull from a, never by
+// one who may not; nothing of it is written to the storage driver's
+// index; and after a drops the pack and gc runs, its anchor is gone from
+// redis and compositions find nothing.
+func TestRedisAnchors(t *testing.T) {
+	rc := startRedis(t)
+	e := newEnvWith(t, chunkindex.Options{Redis: rc})
+	if got := e.ci.AnchorsIn(); got != "redis" {
+		t.Fatalf("anchors in %q, want redis", got)
+	}
+	var f frame
+	for i := 0; ; i++ {
+		// An anchor (digest ending in 0) not at offset 0 of its pack
+		// would be looked up too; this one is both.
+		if f = e.zstdPack("a", fmt.Sprintf("redis-%d-", i)); strings.HasSuffix(f.chunk.Encoded(), "0") {
+			break
+		}
+	}
+	if err := e.pushTable("a", []frame{f}); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := rc.Keys(e.ctx, chunkindex.RedisAnchorPrefix+"*").Result()
+	if err != nil || len(keys) != 1 {
+		t.Fatalf("redis anchor keys after one push: %v, %v", keys, err)
+	}
+	if _, err := e.driver.List(e.ctx, chunkindex.Root); err == nil {
+		t.Errorf("anchors in redis, yet the storage driver's index holds entries")
+	}
+	want := []api.ComposeChunk{{Digest: f.chunk, Size: f.size}}
+	mayPull := func(repos ...string) func(string) bool {
+		return func(r string) bool { return slices.Contains(repos, r) }
+	}
+	if resp, err := e.ci.Compose(e.ctx, "b", want, 0, mayPull("b")); err != nil || len(resp.Frames) != 0 {
+		t.Errorf("a caller who may not pull from a: %d frames composed, %v", len(resp.Frames), err)
+	}
+	if resp, err := e.ci.Compose(e.ctx, "b", want, 0, mayPull("a", "b")); err != nil || len(resp.Frames) != 1 {
+		t.Fatalf("a caller who may pull from a: %+v, %v", resp, err)
+	}
+
+	// a and b (which now links the composed pack, not a's) drop a's pack.
+	named, _ := reference.WithName("a")
+	r, err := e.ns.Repository(e.ctx, named)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Blobs(e.ctx).Delete(e.ctx, f.pack.Digest); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.ci.Prune(e.ctx); err != nil {
+		t.Fatal(err)
+	}
+	n, err := rc.ZCard(e.ctx, keys[0]).Result()
+	if err != nil || n != 0 {
+		t.Errorf("after gc, the anchor of a pack no repository links still names %d packs (%v)", n, err)
+	}
+}
+
+// TestRedisAnchorsKeepTheNewest records more packs for one anchor than
+// a set keeps: the set stays bounded and keeps the newest, so a
+// composition still finds the pack pushed last.
+func TestRedisAnchorsKeepTheNewest(t *testing.T) {
+	rc := startRedis(t)
+	e := newEnvWith(t, chunkindex.Options{Redis: rc})
+	var last frame
+	const pushes = 300
+	for i := range pushes {
+		// One chunk, each time at offset 0 of a pack of its own (the
+		// frame, then bytes no table names).
+		f, enc := e.zstdFrame("same-anchor-")
+		f.pack = e.put("a", append(enc, fmt.Sprintf("pad-%d", i)...))
+		last = f
+		if err := e.pushTable("a", []frame{last}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keys, _ := rc.Keys(e.ctx, chunkindex.RedisAnchorPrefix+"*").Result()
+	if len(keys) != 1 {
+		t.Fatalf("%d anchor keys, want 1", len(keys))
+	}
+	if n, _ := rc.ZCard(e.ctx, keys[0]).Result(); n >= pushes || n == 0 {
+		t.Errorf("an anchor recorded in %d packs keeps %d", pushes, n)
+	}
+	score := rc.ZScore(e.ctx, keys[0], last.pack.Digest.Encoded())
+	if score.Err() != nil {
+		t.Errorf("the pack recorded last is not in its anchor's set: %v", score.Err())
+	}
+}
