@@ -79,7 +79,9 @@ func TestComposeReadsFramesWithoutBlobBuffers(t *testing.T) {
 // pull from the liar's repository can lose dedup to it).
 func TestComposeSkipsAnchorsOfHiddenRepositories(t *testing.T) {
 	t.Run("storage", func(t *testing.T) { composeSkipsHiddenAnchors(t, newEnv(t)) })
-	t.Run("redis", func(t *testing.T) { composeSkipsHiddenAnchors(t, newEnvWith(t, chunkindex.Options{Redis: startRedis(t)})) })
+	t.Run("redis", func(t *testing.T) {
+		composeSkipsHiddenAnchors(t, newEnvWith(t, chunkindex.Options{Redis: startRedis(t)}))
+	})
 }
 
 func composeSkipsHiddenAnchors(t *testing.T, e *env) {
