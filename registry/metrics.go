@@ -63,7 +63,7 @@ func newMetrics(s *Server) *metrics {
 		}),
 		indexFailures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "cryo_registry_chunk_index_failures_total",
-			Help: "Manifest PUTs, stored and answered 201, whose chunks the chunk index could not record (its storage failed, or the chunk table could not be read or parsed): a later PUT naming them records them.",
+			Help: "Manifest PUTs, stored and answered 201, whose indexing failed, some or all of their chunks unrecorded (the index's storage failed, or the chunk table could not be read or parsed): a later PUT naming them records them.",
 		}),
 	}
 	readOnly := prometheus.NewGaugeFunc(prometheus.GaugeOpts{

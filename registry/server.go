@@ -158,6 +158,12 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 		if s.anchorRedis, err = maintenance.RedisClient(&cfg.Redis); err != nil {
 			return nil, fmt.Errorf("registry: redis for chunk index anchors: %w", err)
 		}
+		if err := s.anchorRedis.Ping(ctx).Err(); err != nil {
+			// Anchors are hints: while redis is away, pushes upload
+			// what compositions would have reused (and say so).
+			opts.Logger.Warn("redis for chunk index anchors does not answer; pushes across repositories dedup less until it does",
+				"addrs", strings.Join(cfg.Redis.Options.Addrs, ","), "err", err)
+		}
 		ciOpts.Redis = s.anchorRedis
 	default:
 		return nil, fmt.Errorf("registry: chunk index anchors in %q: want %q or %q", opts.Anchors, AnchorsStorage, AnchorsRedis)
@@ -172,6 +178,9 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 	s.maint, err = maintenance.New(maintenance.Options{Driver: s.driver, Namespace: s.ns, Redis: redis,
 		ChunkIndex: s.chunks, Referrers: s.refs, Logger: opts.Logger, Count: s.countBlobs})
 	if err != nil {
+		if s.anchorRedis != nil {
+			s.anchorRedis.Close()
+		}
 		return nil, err
 	}
 	if opts.StallTimeout <= 0 {

@@ -277,7 +277,7 @@ func anchorPacks(t *testing.T, rc *goredis.Client) int64 {
 	var n int64
 	iter := rc.Scan(ctx, 0, chunkindex.RedisAnchorPrefix+"*", 1000).Iterator()
 	for iter.Next(ctx) {
-		c, err := rc.ZCard(ctx, iter.Val()).Result()
+		c, err := rc.HLen(ctx, iter.Val()).Result()
 		if err != nil {
 			t.Fatal(err)
 		}

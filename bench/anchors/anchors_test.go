@@ -125,10 +125,13 @@ func BenchmarkAnchors(b *testing.B) {
 			} {
 				before := proxy.requests.Load()
 				start := time.Now()
-				out, err := exec.Command(cryo, "push", "--json", step.dir, addr+"/"+step.repo+":v1").Output()
+				cmd := exec.Command(cryo, "push", "--json", step.dir, addr+"/"+step.repo+":v1")
+				var stderr strings.Builder
+				cmd.Stderr = &stderr
+				out, err := cmd.Output()
 				wall := time.Since(start)
 				if err != nil {
-					b.Fatalf("cryo push %s: %v\n%s", step.repo, err, out)
+					b.Fatalf("cryo push %s: %v\n%s%s\nregistry:\n%s", step.repo, err, out, stderr.String(), reg.Log())
 				}
 				var s pushStats
 				if err := json.Unmarshal(out, &s); err != nil {

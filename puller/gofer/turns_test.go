@@ -120,8 +120,8 @@ func TestTurnsStayOneSet(t *testing.T) {
 	}
 	close(goOn)
 	if held[0] != seen {
-		t.Errorf("after a mount's turns were all given back while a request waited, new requests took turns of a second set (%d and %d held at once)",
-			MaxRequestsPerMount, len(seen.c)+1)
+		t.Errorf("after a mount's turns were all given back while a request waited, %d new requests took turns of a second set: with the waiting request's, %d reads of the mount at once",
+			MaxRequestsPerMount, MaxRequestsPerMount+1)
 	}
 	tu.give("m", held[0])
 	got := <-waiter

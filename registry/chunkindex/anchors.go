@@ -4,8 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"sync/atomic"
-	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
@@ -99,93 +99,116 @@ func (a driverAnchors) each(ctx context.Context, d digest.Digest, limit int, fn 
 	return nil
 }
 
-// redisAnchors keeps the anchors in redis, which replicas share: one
-// sorted set per anchor chunk, keyed by the first 8 bytes of its digest
-// (two chunks that share them share a set: a composition then reads a
-// list that does not hold the chunk it wants, and finds nothing there),
-// whose members are pack digests (hex) scored by the time they were last
-// recorded. A set keeps its newest maxRedisAnchors packs. One lookup is
-// one round trip, where the storage driver costs a List and a GET per
-// entry: on an object store, 20-50 ms each (docs/scale.md).
+// redisAnchors keeps the anchors in redis, which replicas share: one hash
+// per anchor chunk, keyed by the first 8 bytes of its digest (two chunks
+// that share them share a hash: a composition then reads a list that does
+// not hold the chunk it wants, and finds nothing there), with a field per
+// pack (its digest's hex) whose value is the repositories recorded as
+// linking it, one per line. As with entries in the storage driver, the
+// repositories let a composition pass over packs the caller may not see
+// without reading their lists, and nothing a push records pushes out what
+// another recorded. One lookup is one round trip, where the storage
+// driver costs a List and a GET per entry: on an object store, 20-50 ms
+// each (docs/scale.md).
 type redisAnchors struct {
 	client redis.UniversalClient
-	now    func() time.Time
 }
 
 // RedisAnchorPrefix starts the keys of the anchors kept in redis.
 const RedisAnchorPrefix = "cryo:anchor:"
 
-// maxRedisAnchors bounds the packs an anchor's set keeps: what a
-// composition reads of one chunk (composeEntryReads).
-const maxRedisAnchors = composeEntryReads
-
 func redisAnchorKey(d digest.Digest) string { return RedisAnchorPrefix + d.Encoded()[:16] }
 
-func (a redisAnchors) add(ctx context.Context, _ string, c format.Chunk) error {
-	key := redisAnchorKey(c.Digest)
-	_, err := a.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		p.ZAdd(ctx, key, redis.Z{Score: float64(a.now().UnixMilli()), Member: c.Blob.Encoded()})
-		p.ZRemRangeByRank(ctx, key, 0, -maxRedisAnchors-1)
+// add merges repo into the pack's field. Two pushes merging one field at
+// once may lose one's repository, as with entries in the storage driver:
+// the next push naming the pack records it again.
+func (a redisAnchors) add(ctx context.Context, repo string, c format.Chunk) error {
+	key, field := redisAnchorKey(c.Digest), c.Blob.Encoded()
+	old, err := a.client.HGet(ctx, key, field).Result()
+	if err != nil && err != redis.Nil {
+		return fmt.Errorf("read anchor %s in redis: %w", c.Digest, err)
+	}
+	repos, changed := withRepository(splitRepos(old), repo)
+	if !changed {
 		return nil
-	})
-	if err != nil {
+	}
+	if err := a.client.HSet(ctx, key, field, strings.Join(repos, "\n")).Err(); err != nil {
 		return fmt.Errorf("record anchor %s in redis: %w", c.Digest, err)
 	}
 	return nil
 }
 
-func (a redisAnchors) each(ctx context.Context, d digest.Digest, limit int, fn func(anchor) (bool, error)) error {
-	packs, err := a.client.ZRevRange(ctx, redisAnchorKey(d), 0, int64(limit)-1).Result()
-	if err != nil {
-		return fmt.Errorf("anchors of %s in redis: %w", d, err)
+func splitRepos(v string) []string {
+	if v == "" {
+		return nil
 	}
-	for _, hex := range packs {
-		pack := digest.NewDigestFromEncoded(digest.SHA256, hex)
-		if pack.Validate() != nil {
-			continue
-		}
-		if more, err := fn(anchor{pack: pack}); !more || err != nil {
-			return err
-		}
-	}
-	return nil
+	return strings.Split(v, "\n")
 }
 
-// prune drops from every anchor's set the packs whose lists are gone
-// (gc deleted them: no repository links the pack), and the sets left
-// empty (redis deletes them); it returns how many packs it dropped. On a
-// redis cluster it walks every master.
-func (a redisAnchors) prune(ctx context.Context, listed func(pack digest.Digest) (bool, error)) (int, error) {
+func (a redisAnchors) each(ctx context.Context, d digest.Digest, limit int, fn func(anchor) (bool, error)) error {
+	key := redisAnchorKey(d)
+	read := 0
+	var cursor uint64
+	for {
+		kv, next, err := a.client.HScan(ctx, key, cursor, "", int64(limit)).Result()
+		if err != nil {
+			return fmt.Errorf("anchors of %s in redis: %w", d, err)
+		}
+		for i := 0; i+1 < len(kv); i += 2 {
+			if read == limit {
+				return nil
+			}
+			read++
+			pack := digest.NewDigestFromEncoded(digest.SHA256, kv[i])
+			if pack.Validate() != nil {
+				continue
+			}
+			if more, err := fn(anchor{pack: pack, repos: splitRepos(kv[i+1])}); !more || err != nil {
+				return err
+			}
+		}
+		if cursor = next; cursor == 0 {
+			return nil
+		}
+	}
+}
+
+// prune drops from every anchor's hash the repositories that no longer
+// link the pack (keep answers which still do), the packs left with none,
+// and the hashes left empty (redis deletes them); it returns how many
+// packs it dropped. On a redis cluster it walks every master.
+func (a redisAnchors) prune(ctx context.Context, keep func(pack digest.Digest, repos []string) ([]string, error)) (int, error) {
 	var dropped atomic.Int64
 	walk := func(ctx context.Context, c redis.UniversalClient) error {
 		iter := c.Scan(ctx, 0, RedisAnchorPrefix+"*", 1000).Iterator()
 		for iter.Next(ctx) {
 			key := iter.Val()
-			packs, err := c.ZRange(ctx, key, 0, -1).Result()
+			fields, err := c.HGetAll(ctx, key).Result()
 			if err != nil {
 				return err
 			}
-			var stale []any
-			for _, hex := range packs {
+			for hex, v := range fields {
 				pack := digest.NewDigestFromEncoded(digest.SHA256, hex)
-				ok := pack.Validate() == nil
-				if ok {
-					if ok, err = listed(pack); err != nil {
+				repos := splitRepos(v)
+				var kept []string
+				if pack.Validate() == nil {
+					if kept, err = keep(pack, repos); err != nil {
 						return err
 					}
 				}
-				if !ok {
-					stale = append(stale, hex)
+				switch {
+				case len(kept) == 0:
+					n, err := c.HDel(ctx, key, hex).Result()
+					if err != nil {
+						return err
+					}
+					dropped.Add(n)
+				case len(kept) != len(repos):
+					if err := c.HSet(ctx, key, hex, strings.Join(kept, "\n")).Err(); err != nil {
+						return err
+					}
 				}
 			}
-			if len(stale) == 0 {
-				continue
-			}
-			n, err := c.ZRem(ctx, key, stale...).Result()
-			if err != nil {
-				return err
-			}
-			dropped.Add(n)
 		}
 		return iter.Err()
 	}

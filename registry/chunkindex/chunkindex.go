@@ -15,7 +15,6 @@ import (
 	"path"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
@@ -99,7 +98,7 @@ func New(driver extstore.Driver, ns distribution.Namespace, codec *format.Codec,
 	ci.bufs.New = func() any { return new([]byte) }
 	ci.anchors = driverAnchors{ci}
 	if opts.Redis != nil {
-		ci.anchors = redisAnchors{client: opts.Redis, now: time.Now}
+		ci.anchors = redisAnchors{client: opts.Redis}
 	}
 	return ci
 }
@@ -490,13 +489,26 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		return lists + entries, err
 	}
 	if ra, ok := ci.anchors.(redisAnchors); ok {
-		// A pack whose list is gone is linked in no repository.
-		n, err := ra.prune(ctx, func(pack digest.Digest) (bool, error) {
-			_, err := ci.driver.Stat(ctx, PackListPath(pack))
-			if extstore.IsNotFound(err) {
-				return false, nil
+		// Each (pack, repository) is checked once, however many anchors
+		// name it.
+		live := map[api.ChunkBlob]bool{}
+		n, err := ra.prune(ctx, func(pack digest.Digest, repos []string) ([]string, error) {
+			var kept []string
+			for _, r := range repos {
+				b := api.ChunkBlob{Repository: r, Digest: pack}
+				ok, seen := live[b]
+				if !seen {
+					var err error
+					if ok, err = ci.linked(ctx, b); err != nil {
+						return repos, err
+					}
+					live[b] = ok
+				}
+				if ok {
+					kept = append(kept, r)
+				}
 			}
-			return err == nil, err
+			return kept, nil
 		})
 		entries += n
 		if err != nil {

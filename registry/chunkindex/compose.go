@@ -423,7 +423,7 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 	var found []*packList
 	budget := composeEntryBudget
 	for i, want := range chunks {
-		if !(isAnchor(want.Digest) || i == 0) || packs == composeSources {
+		if !(isAnchor(want.Digest) || i == 0) || packs == composeSources || budget == 0 {
 			continue
 		}
 		taken := 0
@@ -436,8 +436,14 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 				return true, nil
 			}
 			list, n, err := s.addPack(a.pack, a.repos, wanted, out)
-			if err != nil || list == nil {
-				return err == nil, err
+			if err != nil {
+				return false, err
+			}
+			if list == nil {
+				// Not linked where the caller may pull from (or no
+				// list): not read again for another chunk's entry.
+				seen[a.pack] = a.repos == nil
+				return true, nil
 			}
 			seen[a.pack] = true
 			taken++

@@ -73,27 +73,28 @@ func TestRedisAnchors(t *testing.T) {
 	if _, err := e.ci.Prune(e.ctx); err != nil {
 		t.Fatal(err)
 	}
-	n, err := rc.ZCard(e.ctx, keys[0]).Result()
+	n, err := rc.HLen(e.ctx, keys[0]).Result()
 	if err != nil || n != 0 {
 		t.Errorf("after gc, the anchor of a pack no repository links still names %d packs (%v)", n, err)
 	}
 }
 
-// TestRedisAnchorsKeepTheNewest records more packs for one anchor than
-// a set keeps: the set stays bounded and keeps the newest, so a
-// composition still finds the pack pushed last.
-func TestRedisAnchorsKeepTheNewest(t *testing.T) {
+// TestRedisAnchorsFloodEvictsNothing has a repository the caller cannot
+// see record 200 packs claiming a chunk after the pack that holds it was
+// recorded: the anchor's hash keeps every pack (a push never pushes out
+// what another recorded), and a composition still finds the true one.
+func TestRedisAnchorsFloodEvictsNothing(t *testing.T) {
 	rc := startRedis(t)
 	e := newEnvWith(t, chunkindex.Options{Redis: rc})
-	var last frame
-	const pushes = 300
-	for i := range pushes {
-		// One chunk, each time at offset 0 of a pack of its own (the
-		// frame, then bytes no table names).
-		f, enc := e.zstdFrame("same-anchor-")
-		f.pack = e.put("a", append(enc, fmt.Sprintf("pad-%d", i)...))
-		last = f
-		if err := e.pushTable("a", []frame{last}); err != nil {
+	real := e.zstdPack("public", "public-chunk-")
+	if err := e.pushTable("public", []frame{real}); err != nil {
+		t.Fatal(err)
+	}
+	const lies = 200
+	for i := range lies {
+		f, enc := e.zstdFrame("public-chunk-")
+		f.pack = e.put("hidden", append(enc, fmt.Sprintf("pad-%d", i)...))
+		if err := e.pushTable("hidden", []frame{f}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -101,11 +102,15 @@ func TestRedisAnchorsKeepTheNewest(t *testing.T) {
 	if len(keys) != 1 {
 		t.Fatalf("%d anchor keys, want 1", len(keys))
 	}
-	if n, _ := rc.ZCard(e.ctx, keys[0]).Result(); n >= pushes || n == 0 {
-		t.Errorf("an anchor recorded in %d packs keeps %d", pushes, n)
+	if n, _ := rc.HLen(e.ctx, keys[0]).Result(); n != lies+1 {
+		t.Errorf("an anchor recorded in %d packs keeps %d", lies+1, n)
 	}
-	score := rc.ZScore(e.ctx, keys[0], last.pack.Digest.Encoded())
-	if score.Err() != nil {
-		t.Errorf("the pack recorded last is not in its anchor's set: %v", score.Err())
+	visible := func(r string) bool { return r == "public" || r == "mine" }
+	resp, err := e.ci.Compose(e.ctx, "mine", []api.ComposeChunk{{Digest: real.chunk, Size: real.size}}, 0, visible)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Frames) != 1 {
+		t.Errorf("composition found no frame of a chunk a visible repository holds, among %d packs of a hidden one", lies)
 	}
 }
