@@ -95,7 +95,7 @@ func StartSeaweedFS(t testing.TB) *SeaweedFS {
 	w.S3 = "http://127.0.0.1:" + s3p
 	w.args = []string{"server", "-dir=" + filepath.Join(dir, "data"), "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
 		"-master.port=" + mp, "-master.port.grpc=" + mgp, "-master.volumeSizeLimitMB=64",
-		"-volume.port=" + port(), "-volume.port.grpc=" + port(), "-volume.max=100",
+		"-volume.port=" + port(), "-volume.port.grpc=" + port(), "-volume.max=400",
 		"-filer.port=" + port(), "-filer.port.grpc=" + port(),
 		"-s3", "-s3.port=" + s3p, "-s3.port.grpc=" + port(), "-s3.config=" + s3cfg,
 		"-s3.port.iceberg=0", "-s3.port.lance=0"}

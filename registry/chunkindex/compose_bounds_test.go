@@ -13,14 +13,17 @@ import (
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/distribution/distribution/v3/registry/storage"
+	"github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/distribution/distribution/v3/registry/storage/driver/inmemory"
 )
 
 // newEnv returns an index on an empty in-memory registry.
-func newEnv(t *testing.T) *env { return newEnvWith(t, chunkindex.Options{}) }
+func newEnv(t *testing.T) *env { return newEnvWith(t, chunkindex.Options{}, nil) }
 
-// newEnvWith returns an index with opts on an empty in-memory registry.
-func newEnvWith(t *testing.T, opts chunkindex.Options) *env {
+// newEnvWith returns an index with opts on an empty in-memory registry,
+// reaching its storage through wrap(the registry's driver) if wrap is
+// not nil.
+func newEnvWith(t *testing.T, opts chunkindex.Options, wrap func(driver.StorageDriver) driver.StorageDriver) *env {
 	t.Helper()
 	ctx := context.Background()
 	mem := inmemory.New()
@@ -32,7 +35,11 @@ func newEnvWith(t *testing.T, opts chunkindex.Options) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(mem, ns, codec, opts)}
+	var index driver.StorageDriver = mem
+	if wrap != nil {
+		index = wrap(mem)
+	}
+	return &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(index, ns, codec, opts)}
 }
 
 // TestComposeReadsFramesWithoutBlobBuffers composes 16 tiny frames from
@@ -80,7 +87,7 @@ func TestComposeReadsFramesWithoutBlobBuffers(t *testing.T) {
 func TestComposeSkipsAnchorsOfHiddenRepositories(t *testing.T) {
 	t.Run("storage", func(t *testing.T) { composeSkipsHiddenAnchors(t, newEnv(t)) })
 	t.Run("redis", func(t *testing.T) {
-		composeSkipsHiddenAnchors(t, newEnvWith(t, chunkindex.Options{Redis: startRedis(t)}))
+		composeSkipsHiddenAnchors(t, newEnvWith(t, chunkindex.Options{Redis: startRedis(t)}, nil))
 	})
 }
 

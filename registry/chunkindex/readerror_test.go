@@ -13,9 +13,7 @@ import (
 	"github.com/cryo-oci/cryo/registry/api"
 	"github.com/cryo-oci/cryo/registry/chunkindex"
 	"github.com/distribution/distribution/v3"
-	"github.com/distribution/distribution/v3/registry/storage"
 	"github.com/distribution/distribution/v3/registry/storage/driver"
-	"github.com/distribution/distribution/v3/registry/storage/driver/inmemory"
 	"github.com/distribution/reference"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -27,18 +25,12 @@ import (
 // and anchor with b's view, so that a caller who may pull only from a
 // still finds the frame.
 func TestReadErrorKeepsSharedIndexState(t *testing.T) {
-	ctx := context.Background()
-	mem := inmemory.New()
-	fd := &flaky{StorageDriver: mem}
-	ns, err := storage.NewRegistry(ctx, mem, storage.EnableDelete)
-	if err != nil {
-		t.Fatal(err)
-	}
-	codec, err := format.NewCodecV2(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(fd, ns, codec, chunkindex.Options{})}
+	var fd *flaky
+	e := newEnvWith(t, chunkindex.Options{}, func(d driver.StorageDriver) driver.StorageDriver {
+		fd = &flaky{StorageDriver: d}
+		return fd
+	})
+	ctx := e.ctx
 	f := e.zstdPack("a", "shared-data-")
 	if err := e.pushTable("a", []frame{f}); err != nil {
 		t.Fatal(err)
@@ -55,7 +47,7 @@ func TestReadErrorKeepsSharedIndexState(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(resp.Frames) == 0 {
-		l, _ := mem.GetContent(ctx, chunkindex.PackListPath(f.pack.Digest))
+		l, _ := e.driver.GetContent(ctx, chunkindex.PackListPath(f.pack.Digest))
 		t.Errorf("repository a's frame lost after a failed read during b's push; the pack's list: %s", l)
 	}
 }

@@ -28,7 +28,7 @@ func startRedis(t *testing.T) redis.UniversalClient {
 // redis and compositions find nothing.
 func TestRedisAnchors(t *testing.T) {
 	rc := startRedis(t)
-	e := newEnvWith(t, chunkindex.Options{Redis: rc})
+	e := newEnvWith(t, chunkindex.Options{Redis: rc}, nil)
 	if got := e.ci.AnchorsIn(); got != "redis" {
 		t.Fatalf("anchors in %q, want redis", got)
 	}
@@ -85,7 +85,7 @@ func TestRedisAnchors(t *testing.T) {
 // what another recorded), and a composition still finds the true one.
 func TestRedisAnchorsFloodEvictsNothing(t *testing.T) {
 	rc := startRedis(t)
-	e := newEnvWith(t, chunkindex.Options{Redis: rc})
+	e := newEnvWith(t, chunkindex.Options{Redis: rc}, nil)
 	real := e.zstdPack("public", "public-chunk-")
 	if err := e.pushTable("public", []frame{real}); err != nil {
 		t.Fatal(err)
