@@ -188,6 +188,10 @@ With a redis blob descriptor cache in the configuration, gc flushes it after
 the sweep, before leaving read-only mode; should that fail, the registries
 flush it themselves and refuse pushes until they could.
 
+gc also prunes cryo's chunk index of what it deleted. Run it with the same
+--chunk-index-anchors as the registries: with "redis", the anchors of v2
+snapshots are pruned in redis.
+
 A push uploads its chunks before the manifests and the tagged index that
 reference them. So that a push under way when gc starts (or one read-only
 mode held up) still completes intact, gc keeps what is younger than --grace
