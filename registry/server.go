@@ -158,7 +158,10 @@ func New(ctx context.Context, cfg *configuration.Configuration, opts Options) (s
 		if s.anchorRedis, err = maintenance.RedisClient(&cfg.Redis); err != nil {
 			return nil, fmt.Errorf("registry: redis for chunk index anchors: %w", err)
 		}
-		if err := s.anchorRedis.Ping(ctx).Err(); err != nil {
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		err := s.anchorRedis.Ping(pctx).Err()
+		cancel()
+		if err != nil {
 			// Anchors are hints: while redis is away, pushes upload
 			// what compositions would have reused (and say so).
 			opts.Logger.Warn("redis for chunk index anchors does not answer; pushes across repositories dedup less until it does",

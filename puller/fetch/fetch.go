@@ -923,8 +923,11 @@ func (s *Scheduler) worker() {
 // accounts for it: the link's estimate, the priority's count.
 func (s *Scheduler) runCall(cl *call, prio Priority) {
 	start := time.Now()
+	// The batch next gave this worker: run empties cl's, and once run
+	// returns, cl may be queued again and run by another worker.
+	batch := cl.batch
 	n := cl.chunk.BlobSize
-	for _, b := range cl.batch {
+	for _, b := range batch {
 		n += b.chunk.BlobSize
 	}
 	s.run(cl)
@@ -934,7 +937,7 @@ func (s *Scheduler) runCall(cl *call, prio Priority) {
 	// The priority it ran at: a call run again (requeue) may have been
 	// promoted since.
 	s.active[prio]--
-	if prio == Fault || cl.wantedByFault() {
+	if prio == Fault || wantedByFault(cl, batch) {
 		s.faultEnded = s.now()
 	}
 	s.cond.Broadcast() // lower priorities may run now
@@ -943,11 +946,11 @@ func (s *Scheduler) runCall(cl *call, prio Priority) {
 
 // wantedByFault says whether a page fault asked for cl or a call of its
 // batch, perhaps after it started at a lower priority. s.mu is held.
-func (cl *call) wantedByFault() bool {
+func wantedByFault(cl *call, batch []*call) bool {
 	if cl.want == Fault {
 		return true
 	}
-	for _, b := range cl.batch {
+	for _, b := range batch {
 		if b.want == Fault {
 			return true
 		}

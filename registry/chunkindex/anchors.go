@@ -107,9 +107,9 @@ func (a driverAnchors) each(ctx context.Context, d digest.Digest, limit int, fn 
 // linking it, one per line. As with entries in the storage driver, the
 // repositories let a composition pass over packs the caller may not see
 // without reading their lists, and nothing a push records pushes out what
-// another recorded. One lookup is one round trip, where the storage
-// driver costs a List and a GET per entry: on an object store, 20-50 ms
-// each (docs/scale.md).
+// another recorded. A lookup is one HSCAN round trip (more for a hash of
+// over 256 packs), where the storage driver costs a List and a GET per
+// entry: on an object store, 20-50 ms each (docs/scale.md).
 type redisAnchors struct {
 	client redis.UniversalClient
 }
@@ -148,6 +148,8 @@ func splitRepos(v string) []string {
 func (a redisAnchors) each(ctx context.Context, d digest.Digest, limit int, fn func(anchor) (bool, error)) error {
 	key := redisAnchorKey(d)
 	read := 0
+	// HSCAN may answer a field twice (while redis rehashes the hash).
+	given := map[string]bool{}
 	var cursor uint64
 	for {
 		kv, next, err := a.client.HScan(ctx, key, cursor, "", int64(limit)).Result()
@@ -158,6 +160,10 @@ func (a redisAnchors) each(ctx context.Context, d digest.Digest, limit int, fn f
 			if read == limit {
 				return nil
 			}
+			if given[kv[i]] {
+				continue
+			}
+			given[kv[i]] = true
 			read++
 			pack := digest.NewDigestFromEncoded(digest.SHA256, kv[i])
 			if pack.Validate() != nil {

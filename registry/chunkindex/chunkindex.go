@@ -491,18 +491,24 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 	if ra, ok := ci.anchors.(redisAnchors); ok {
 		// Each (pack, repository) is checked once, however many anchors
 		// name it.
+		// On a redis cluster the masters are walked at once.
+		var mu sync.Mutex
 		live := map[api.ChunkBlob]bool{}
 		n, err := ra.prune(ctx, func(pack digest.Digest, repos []string) ([]string, error) {
 			var kept []string
 			for _, r := range repos {
 				b := api.ChunkBlob{Repository: r, Digest: pack}
+				mu.Lock()
 				ok, seen := live[b]
+				mu.Unlock()
 				if !seen {
 					var err error
 					if ok, err = ci.linked(ctx, b); err != nil {
 						return repos, err
 					}
+					mu.Lock()
 					live[b] = ok
+					mu.Unlock()
 				}
 				if ok {
 					kept = append(kept, r)

@@ -296,7 +296,8 @@ func (ci *Index) Compose(ctx context.Context, repo string, chunks []api.ComposeC
 	if err != nil {
 		return nil, err
 	}
-	src := &frameSource{ci: ci, ctx: ctx, visible: visible, readers: map[string]*blobReader{}, bad: map[digest.Digest]bool{}}
+	src := &frameSource{ci: ci, ctx: ctx, visible: visible, readers: map[string]*blobReader{}, bad: map[digest.Digest]bool{},
+		links: map[api.ChunkBlob]bool{}, noList: map[digest.Digest]bool{}}
 	defer src.close()
 	sources, err := src.find(chunks)
 	if err != nil {
@@ -394,6 +395,11 @@ type frameSource struct {
 	// line per composition.
 	bad      map[digest.Digest]bool
 	firstBad []any
+	// links caches which (repository, pack) are linked, and noList the
+	// packs without a readable list, so that packs many anchors name
+	// cost their checks once.
+	links  map[api.ChunkBlob]bool
+	noList map[digest.Digest]bool
 }
 
 func (s *frameSource) close() {
@@ -489,33 +495,27 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 // that still links the pack, and returns the list and how many frames it
 // added.
 func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[digest.Digest]api.ComposeChunk, out map[digest.Digest][]source) (*packList, int, error) {
-	data, err := s.ci.driver.GetContent(s.ctx, PackListPath(pack))
-	if err != nil {
+	if s.noList[pack] {
 		return nil, 0, nil
 	}
-	var list packList
-	if json.Unmarshal(data, &list) != nil {
-		return nil, 0, nil
-	}
-	if repos == nil {
-		repos = list.Repositories
-	}
+	// An anchor's repositories are checked before the list is read.
 	repo := ""
-	for _, r := range repos {
-		if !s.visible(r) {
-			continue
-		}
-		live, err := s.ci.linked(s.ctx, api.ChunkBlob{Repository: r, Digest: pack})
-		if err != nil {
+	if repos != nil {
+		var err error
+		if repo, err = s.firstLinked(pack, repos); err != nil || repo == "" {
 			return nil, 0, err
 		}
-		if live {
-			repo = r
-			break
-		}
+	}
+	data, err := s.ci.driver.GetContent(s.ctx, PackListPath(pack))
+	var list packList
+	if err != nil || json.Unmarshal(data, &list) != nil {
+		s.noList[pack] = true
+		return nil, 0, nil
 	}
 	if repo == "" {
-		return nil, 0, nil
+		if repo, err = s.firstLinked(pack, list.Repositories); err != nil || repo == "" {
+			return nil, 0, err
+		}
 	}
 	n := 0
 	for _, f := range list.Frames {
@@ -529,6 +529,29 @@ func (s *frameSource) addPack(pack digest.Digest, repos []string, wanted map[dig
 		}
 	}
 	return &list, n, nil
+}
+
+// firstLinked returns the first of repos the caller may pull from that
+// links pack ("" if none).
+func (s *frameSource) firstLinked(pack digest.Digest, repos []string) (string, error) {
+	for _, r := range repos {
+		if !s.visible(r) {
+			continue
+		}
+		b := api.ChunkBlob{Repository: r, Digest: pack}
+		live, ok := s.links[b]
+		if !ok {
+			var err error
+			if live, err = s.ci.linked(s.ctx, b); err != nil {
+				return "", err
+			}
+			s.links[b] = live
+		}
+		if live {
+			return r, nil
+		}
+	}
+	return "", nil
 }
 
 // copyable returns the first of sources whose frame, read into *frame, is
