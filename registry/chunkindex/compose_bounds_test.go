@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/cryo-oci/cryo/format"
@@ -15,6 +16,7 @@ import (
 	"github.com/distribution/distribution/v3/registry/storage"
 	"github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/distribution/distribution/v3/registry/storage/driver/inmemory"
+	"github.com/distribution/reference"
 )
 
 // newEnv returns an index on an empty in-memory registry.
@@ -147,5 +149,74 @@ func TestPackListNamesAFrameOnce(t *testing.T) {
 	}
 	if len(list.Frames) != 1 {
 		t.Errorf("a new pack list names one frame %d times: %s", len(list.Frames), data)
+	}
+}
+
+// listReads counts the reads of packs' frame lists.
+type listReads struct {
+	driver.StorageDriver
+	n atomic.Int64
+}
+
+func (l *listReads) GetContent(ctx context.Context, p string) ([]byte, error) {
+	if strings.HasPrefix(p, chunkindex.PacksRoot) {
+		l.n.Add(1)
+	}
+	return l.StorageDriver.GetContent(ctx, p)
+}
+
+// TestComposeChecksAPackOnce records a pack holding 8 anchor chunks,
+// then has its repository drop it: a composition of those chunks for a
+// caller who may pull from that repository must find the pack unlinked
+// without reading its list once per anchor.
+func TestComposeChecksAPackOnce(t *testing.T) {
+	for _, store := range []string{"storage", "redis"} {
+		t.Run(store, func(t *testing.T) {
+			var reads *listReads
+			opts := chunkindex.Options{}
+			if store == "redis" {
+				opts.Redis = startRedis(t)
+			}
+			e := newEnvWith(t, opts, func(d driver.StorageDriver) driver.StorageDriver {
+				reads = &listReads{StorageDriver: d}
+				return reads
+			})
+			var frames []frame
+			var data []byte
+			for i := 0; len(frames) < 8; i++ {
+				f, enc := e.zstdFrame(fmt.Sprintf("anchor-%d-", i))
+				if !strings.HasSuffix(f.chunk.Encoded(), "0") {
+					continue
+				}
+				f.offset = int64(len(data))
+				data = append(data, enc...)
+				frames = append(frames, f)
+			}
+			pack := e.put("a", data)
+			var want []api.ComposeChunk
+			for i := range frames {
+				frames[i].pack = pack
+				want = append(want, api.ComposeChunk{Digest: frames[i].chunk, Size: frames[i].size})
+			}
+			if err := e.pushTable("a", frames); err != nil {
+				t.Fatal(err)
+			}
+			named, _ := reference.WithName("a")
+			r, err := e.ns.Repository(e.ctx, named)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.Blobs(e.ctx).Delete(e.ctx, pack.Digest); err != nil {
+				t.Fatal(err)
+			}
+			before := reads.n.Load()
+			resp, err := e.ci.Compose(e.ctx, "b", want, 0, func(string) bool { return true })
+			if err != nil || len(resp.Frames) != 0 {
+				t.Fatalf("composition from an unlinked pack: %+v, %v", resp, err)
+			}
+			if n := reads.n.Load() - before; n > 1 {
+				t.Errorf("a composition of %d anchors of one unlinked pack read its list %d times", len(frames), n)
+			}
+		})
 	}
 }

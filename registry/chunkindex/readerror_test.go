@@ -95,9 +95,10 @@ type frame struct {
 	size   int64
 	pack   ocispec.Descriptor
 	length int64
+	offset int64 // in the pack
 }
 
-// pushTable records a v2 table listing frames (each at offset 0 of its
+// pushTable records a v2 table listing frames (each at its offset in its
 // pack) in repo, and returns IndexManifest's error.
 func (e *env) pushTable(repo string, frames []frame) error {
 	tab := &format.Table{Path: "f", Mode: 0o600, Digest: digest.FromString("whole"), Parts: 1, Version: format.V2}
@@ -105,7 +106,7 @@ func (e *env) pushTable(repo string, frames []frame) error {
 	var off int64
 	for _, f := range frames {
 		tab.Chunks = append(tab.Chunks, format.Chunk{Offset: off, Size: f.size, Encoding: format.EncodingZstd, Digest: f.chunk,
-			Blob: f.pack.Digest, BlobSize: f.length, PackSize: f.pack.Size})
+			Blob: f.pack.Digest, BlobSize: f.length, PackSize: f.pack.Size, PackOffset: f.offset})
 		if !seen[f.pack.Digest] {
 			seen[f.pack.Digest] = true
 			tab.Packs = append(tab.Packs, ocispec.Descriptor{MediaType: format.MediaTypePack, Digest: f.pack.Digest, Size: f.pack.Size})
