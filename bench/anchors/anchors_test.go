@@ -19,7 +19,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -39,6 +41,41 @@ var (
 type delayProxy struct {
 	url      string
 	requests atomic.Int64
+	mu       sync.Mutex
+	kinds    map[string]int64 // by method and kind of path
+}
+
+// kindOf names what an S3 request of the registry touches.
+func kindOf(r *http.Request) string {
+	p := r.URL.Path
+	method := r.Method
+	if prefix := r.URL.Query().Get("prefix"); prefix != "" && method == http.MethodGet {
+		p, method = "/"+prefix, "LIST"
+	}
+	if r.Method == http.MethodPost && r.URL.Query().Has("delete") {
+		method = "DELETE"
+	}
+	kind := "other"
+	switch {
+	case strings.Contains(p, "/cryo/v1/"):
+		kind = "chunk index"
+	case strings.Contains(p, "/_uploads/"):
+		kind = "uploads"
+	case strings.Contains(p, "/_layers/") || strings.Contains(p, "/_manifests/"):
+		kind = "links"
+	case strings.Contains(p, "/blobs/"):
+		kind = "blob data"
+	}
+	return method + " " + kind
+}
+
+// take returns the requests counted by kind since the last take.
+func (p *delayProxy) take() map[string]int64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	k := p.kinds
+	p.kinds = map[string]int64{}
+	return k
 }
 
 func newDelayProxy(b *testing.B, target string, delay time.Duration) *delayProxy {
@@ -46,11 +83,14 @@ func newDelayProxy(b *testing.B, target string, delay time.Duration) *delayProxy
 	if err != nil {
 		b.Fatal(err)
 	}
-	p := &delayProxy{}
+	p := &delayProxy{kinds: map[string]int64{}}
 	rp := httputil.NewSingleHostReverseProxy(u)
 	addr := testenv.FreeAddr(b)
 	srv := &http.Server{Addr: addr, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p.requests.Add(1)
+		p.mu.Lock()
+		p.kinds[kindOf(r)]++
+		p.mu.Unlock()
 		time.Sleep(delay)
 		rp.ServeHTTP(w, r)
 	})}
@@ -109,7 +149,7 @@ func BenchmarkAnchors(b *testing.B) {
 	if out, err := mk.CombinedOutput(); err != nil {
 		b.Fatalf("mkimage: %v\n%s", err, out)
 	}
-	var rows []string
+	var rows, breakdown []string
 	for i := 0; i < b.N; i++ {
 		for _, anchors := range []string{"storage", "redis"} {
 			// A redis of its own: the blob descriptor cache of one run
@@ -124,6 +164,7 @@ func BenchmarkAnchors(b *testing.B) {
 				{fmt.Sprintf("%.0f%% rewritten, another repository", *rewrite*100), img2, "c"},
 			} {
 				before := proxy.requests.Load()
+				proxy.take()
 				start := time.Now()
 				cmd := exec.Command(cryo, "push", "--json", step.dir, addr+"/"+step.repo+":v1")
 				var stderr strings.Builder
@@ -139,6 +180,17 @@ func BenchmarkAnchors(b *testing.B) {
 				}
 				rows = append(rows, fmt.Sprintf("| %s | %s | %.2f | %d | %.1f MiB | %.1f MiB |", anchors, step.what, wall.Seconds(),
 					proxy.requests.Load()-before, float64(s.Stats.UploadedBytes)/(1<<20), float64(s.Stats.ComposedBytes)/(1<<20)))
+				kinds := proxy.take()
+				names := make([]string, 0, len(kinds))
+				for k := range kinds {
+					names = append(names, k)
+				}
+				sort.Slice(names, func(i, j int) bool { return kinds[names[i]] > kinds[names[j]] })
+				var parts []string
+				for _, k := range names {
+					parts = append(parts, fmt.Sprintf("%s %d", k, kinds[k]))
+				}
+				breakdown = append(breakdown, fmt.Sprintf("- %s, %s: %s", anchors, step.what, strings.Join(parts, ", ")))
 			}
 			reg.Stop()
 		}
@@ -148,5 +200,10 @@ func BenchmarkAnchors(b *testing.B) {
 	fmt.Println("|---|---|--:|--:|--:|--:|")
 	for _, r := range rows {
 		fmt.Println(r)
+	}
+	fmt.Println("\nObject store requests by method and what they touch:")
+	fmt.Println()
+	for _, b := range breakdown {
+		fmt.Println(b)
 	}
 }
