@@ -473,7 +473,7 @@ func (s *frameSource) find(chunks []api.ComposeChunk) (map[digest.Digest][]sourc
 			if packs == composeSources || reads == composeSources || len(out) == len(wanted) {
 				return out, nil
 			}
-			if seen[nb] || nb.Validate() != nil {
+			if seen[nb] || s.noList[nb] || nb.Validate() != nil {
 				continue
 			}
 			seen[nb] = true

@@ -220,3 +220,43 @@ func TestComposeChecksAPackOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestComposeTakesNoFrameFromHiddenRepositories records one pack from a
+// repository the caller cannot see and from one it can, which then drops
+// the pack: the anchor names both, only the hidden one links the pack,
+// and the composition must find nothing rather than copy the hidden
+// repository's frame.
+func TestComposeTakesNoFrameFromHiddenRepositories(t *testing.T) {
+	for _, store := range []string{"storage", "redis"} {
+		t.Run(store, func(t *testing.T) {
+			opts := chunkindex.Options{}
+			if store == "redis" {
+				opts.Redis = startRedis(t)
+			}
+			e := newEnvWith(t, opts, nil)
+			f := e.zstdPack("hidden", "secret-memory-")
+			e.zstdPack("public", "secret-memory-") // the same blob, linked in public too
+			for _, repo := range []string{"hidden", "public"} {
+				if err := e.pushTable(repo, []frame{f}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			named, _ := reference.WithName("public")
+			r, err := e.ns.Repository(e.ctx, named)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := r.Blobs(e.ctx).Delete(e.ctx, f.pack.Digest); err != nil {
+				t.Fatal(err)
+			}
+			visible := func(r string) bool { return r == "public" || r == "mine" }
+			resp, err := e.ci.Compose(e.ctx, "mine", []api.ComposeChunk{{Digest: f.chunk, Size: f.size}}, 0, visible)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(resp.Frames) != 0 {
+				t.Errorf("composed %d frames from a pack only a repository the caller cannot see links", len(resp.Frames))
+			}
+		})
+	}
+}
