@@ -219,6 +219,17 @@ func (c *Codec) Verify(ch Chunk, data []byte) error {
 	return nil
 }
 
+// FromFrame returns chunk ch's verified bytes from its stored frame (as
+// FetchFrame reads it): a raw frame is the chunk, verified in place and
+// returned as it is (dst unused); any other is decoded into dst[:0]
+// (Decode).
+func (c *Codec) FromFrame(ch Chunk, frame, dst []byte) ([]byte, error) {
+	if ch.Encoding == EncodingRaw {
+		return frame, c.Verify(ch, frame)
+	}
+	return c.Decode(ch, frame, dst)
+}
+
 // Decode turns a chunk's blob back into its bytes, appended to dst[:0], and
 // verifies their size and sha256 against the table entry. A zero chunk needs
 // no blob. Nothing is returned that was not verified: the output has exactly

@@ -52,10 +52,40 @@ func (r *Reader) Chunk(ctx context.Context, c Chunk, buf []byte) ([]byte, error)
 // pushed it), and exactly BlobSize bytes are read. A raw chunk is read
 // straight into buf and verified in place; a zstd blob is read into
 // *scratch (grown as needed and kept for the caller's next call), or a new
-// buffer if scratch is nil.
+// buffer if scratch is nil. It is FetchFrame then Codec.FromFrame.
 func FetchChunk(ctx context.Context, src content.Fetcher, codec *Codec, c Chunk, buf []byte, scratch *[]byte) ([]byte, error) {
+	if c.Encoding == EncodingRaw {
+		// The blob is the chunk: hashed once, by FromFrame.
+		frame, err := FetchFrame(ctx, src, c, buf)
+		if err != nil {
+			return nil, err
+		}
+		return codec.FromFrame(c, frame, buf)
+	}
+	var sb []byte
+	if scratch != nil {
+		sb = *scratch
+	}
+	frame, err := FetchFrame(ctx, src, c, sb)
+	if scratch != nil && frame != nil {
+		*scratch = frame
+	}
+	if err != nil {
+		return nil, err
+	}
+	return codec.FromFrame(c, frame, buf)
+}
+
+// FetchFrame fetches chunk c's stored frame from src, unverified: exactly
+// BlobSize bytes, read into buf if it is large enough, else into a new
+// buffer. The sizes in c are checked before anything is allocated. A zero
+// chunk has no frame (nil). Codec.FromFrame turns the frame into the
+// chunk's verified bytes; the two are apart so that a caller can fetch
+// frames while others hold the CPU (the puller verifies background frames
+// only with a token while page faults are being served).
+func FetchFrame(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) ([]byte, error) {
 	if c.Encoding == EncodingZero {
-		return codec.Decode(c, nil, buf)
+		return nil, nil
 	}
 	if c.Size <= 0 || c.BlobSize <= 0 {
 		return nil, fmt.Errorf("chunk %s: size %d, blob %s of %d bytes: %w", c.Digest, c.Size, c.Blob, c.BlobSize, ErrInvalid)
@@ -63,26 +93,7 @@ func FetchChunk(ctx context.Context, src content.Fetcher, codec *Codec, c Chunk,
 	if c.Size > MaxChunkSize || c.BlobSize > MaxChunkSize {
 		return nil, fmt.Errorf("chunk %s: size %d, blob %s of %d bytes: %w (limit %d)", c.Digest, c.Size, c.Blob, c.BlobSize, ErrTooLarge, MaxChunkSize)
 	}
-	if c.Encoding == EncodingRaw {
-		// The blob is the chunk: hashed once, by Verify.
-		blob, err := fetchExact(ctx, src, c, buf)
-		if err != nil {
-			return nil, err
-		}
-		return blob, codec.Verify(c, blob)
-	}
-	var sb []byte
-	if scratch != nil {
-		sb = *scratch
-	}
-	blob, err := fetchExact(ctx, src, c, sb)
-	if scratch != nil {
-		*scratch = blob
-	}
-	if err != nil {
-		return nil, err
-	}
-	return codec.Decode(c, blob, buf)
+	return fetchExact(ctx, src, c, buf)
 }
 
 // RangeFetcher fetches n bytes at off of a blob: a registry by HTTP Range,
@@ -133,7 +144,7 @@ func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) (
 		rc, err = src.Fetch(ctx, c.BlobDescriptor())
 	}
 	if err != nil {
-		return buf, fmt.Errorf("fetch chunk %s (blob %s): %w", c.Digest, c.Blob, err)
+		return nil, fmt.Errorf("fetch chunk %s (blob %s): %w", c.Digest, c.Blob, err)
 	}
 	defer rc.Close()
 	if int64(cap(buf)) < c.BlobSize {
@@ -141,7 +152,7 @@ func fetchExact(ctx context.Context, src content.Fetcher, c Chunk, buf []byte) (
 	}
 	buf = buf[:c.BlobSize]
 	if _, err := io.ReadFull(rc, buf); err != nil {
-		return buf, fmt.Errorf("fetch chunk %s (blob %s): read %d bytes: %w", c.Digest, c.Blob, c.BlobSize, err)
+		return nil, fmt.Errorf("fetch chunk %s (blob %s): read %d bytes: %w", c.Digest, c.Blob, c.BlobSize, err)
 	}
 	return buf, nil
 }

@@ -1356,7 +1356,7 @@ func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]b
 		r := &rangeBuffer{r: rc, start: start, buf: make([]byte, end-start)}
 		for ; i < len(calls); i++ {
 			c := calls[i].chunk
-			data, err := s.readFrame(r, c, s.yields(calls[i]))
+			data, err := s.readFrame(r, calls[i])
 			if err != nil {
 				if errors.Is(err, format.ErrDigestMismatch) || errors.Is(err, format.ErrTooLarge) || errors.Is(err, format.ErrInvalid) {
 					s.opts.Metrics.verifyFailed(ep.Name)
@@ -1405,25 +1405,30 @@ func (b *rangeBuffer) frame(off, n int64) ([]byte, error) {
 	return b.buf[lo:hi:hi], nil
 }
 
-// readFrame reads chunk c's frame from r and returns the chunk's verified
-// bytes. If it yields to a page fault, it is verified and decoded only
-// with a token of Options.BackgroundCPU.
-func (s *Scheduler) readFrame(r *rangeBuffer, c format.Chunk, yield bool) ([]byte, error) {
+// readFrame reads call cl's frame from r and returns its chunk's verified
+// bytes (open).
+func (s *Scheduler) readFrame(r *rangeBuffer, cl *call) ([]byte, error) {
+	c := cl.chunk
 	frame, err := r.frame(c.PackOffset, c.BlobSize)
 	if err != nil {
 		return nil, fmt.Errorf("chunk %s: read %d bytes of its frame: %w", c.Digest, c.BlobSize, err)
 	}
-	if yield {
+	return s.open(cl, frame)
+}
+
+// open verifies (and decodes) the frame fetched for call cl. If cl yields
+// to page faults, that takes a token of Options.BackgroundCPU: the frame
+// was fetched without one, so the wait is for the CPU, not the network.
+// Every upstream fetch goes through here, alone or coalesced.
+func (s *Scheduler) open(cl *call, frame []byte) ([]byte, error) {
+	if s.yields(cl) {
 		if s.yielding != nil {
 			s.yielding()
 		}
 		s.backgroundCPU <- struct{}{}
 		defer func() { <-s.backgroundCPU }()
 	}
-	if c.Encoding == format.EncodingRaw {
-		return frame, s.codec.Verify(c, frame)
-	}
-	return s.codec.Decode(c, frame, nil)
+	return s.codec.FromFrame(cl.chunk, frame, nil)
 }
 
 // FaultQuiet is how long after a page fault's fetch the background still
@@ -1488,7 +1493,7 @@ func (s *Scheduler) fetchAndStore(cl *call, f *flight, done func(data []byte, er
 	}
 	if n == 0 {
 		var err error
-		if data, err = s.fetch(c); err != nil {
+		if data, err = s.fetch(cl); err != nil {
 			done(nil, err)
 			return
 		}
@@ -1517,13 +1522,18 @@ func (s *Scheduler) store(c format.Chunk, data []byte, done func(data []byte, er
 }
 
 // publish lets cl's readers go on with its verified bytes, before they are
-// written into the node cache. The bytes are shared, never modified.
+// written into the node cache. The bytes are shared, never modified. A
+// page fault's reader goes on now: the background's FaultQuiet counts
+// from here (and again from the end of the fetch, runCall).
 func (s *Scheduler) publish(cl *call, data []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !cl.finished && cl.data == nil {
 		cl.data = data
 		cl.markReady()
+		if cl.want == Fault {
+			s.faultEnded = s.now()
+		}
 	}
 }
 
@@ -1552,18 +1562,19 @@ func (s *Scheduler) finish(cl *call, data []byte, err error) {
 	cl.markReady()
 }
 
-// fetch gets and verifies one chunk, trying every endpoint in order
+// fetch gets and verifies call cl's chunk, trying every endpoint in order
 // (FirstOf), again and again with backoff, until the deadline. If every
 // endpoint served bad data in one round, it gives up at once: that will
 // not get better.
-func (s *Scheduler) fetch(c format.Chunk) ([]byte, error) {
+func (s *Scheduler) fetch(cl *call) ([]byte, error) {
+	c := cl.chunk
 	ctx, cancel := context.WithTimeout(s.ctx, s.opts.Deadline)
 	defer cancel()
 	backoff := s.opts.Backoff
 	for attempt := 1; ; attempt++ {
 		corrupt := 0
 		data, errs := FirstOf(ctx, s.endpoints, func(ctx context.Context, ep Endpoint) ([]byte, error) {
-			data, err := s.fetchFrom(ctx, ep, c)
+			data, err := s.fetchFrom(ctx, ep, cl)
 			if err == nil {
 				s.fetched(c, ep)
 				return data, nil
@@ -1615,11 +1626,15 @@ func (s *Scheduler) fetched(c format.Chunk, ep Endpoint) {
 	}
 }
 
-// fetchFrom fetches chunk c from ep, decoded and verified
-// (format.FetchChunk), into a new buffer: the bytes go to readers and the
-// cache writer.
-func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, c format.Chunk) ([]byte, error) {
+// fetchFrom fetches call cl's frame from ep into a new buffer and returns
+// its chunk's verified bytes (open): they go to readers and the cache
+// writer.
+func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, cl *call) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	return format.FetchChunk(ctx, ep.Store, s.codec, c, nil, nil)
+	frame, err := format.FetchFrame(ctx, ep.Store, cl.chunk, nil)
+	if err != nil {
+		return nil, err
+	}
+	return s.open(cl, frame)
 }

@@ -291,34 +291,30 @@ func TestLoneFaultMovesItsChunk(t *testing.T) {
 
 // TestBackgroundYieldsAfterAFault: the background goes on yielding the
 // CPU for FaultQuiet after a page fault's fetch ended (the application
-// works between its faults), and not after that.
+// works between its faults), and not after that; whether the later read
+// is fetched alone (one chunk of a pack: no range coalesced) or with
+// others of its pack.
 func TestBackgroundYieldsAfterAFault(t *testing.T) {
+	for _, later := range []int{1, 2} {
+		t.Run(fmt.Sprintf("%d chunks read", later), func(t *testing.T) { backgroundYieldsAfterAFault(t, later) })
+	}
+}
+
+func backgroundYieldsAfterAFault(t *testing.T, later int) {
 	c, codec := setup(t)
 	const size = 32 << 10
-	faulted, fb := packedChunks(3, 1, size)
-	read, rb := packedChunks(4, 2, size)
-	late, lb := packedChunks(5, 2, size)
-	all := blobs{}
-	for _, m := range []blobs{fb, rb, lb} {
-		for d, p := range m {
-			all[d] = p
-		}
-	}
-	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: &packGate{blobs: all}}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
-	var clock atomic.Int64 // nanoseconds past t0
-	t0 := time.Now()
-	s.now = func() time.Time { return t0.Add(time.Duration(clock.Load())) }
-	var yields atomic.Int64
-	s.yielding = func() { yields.Add(1) }
+	// Seeds 10 apart: packedChunks' chunk i of seed n is chunk 0 of seed
+	// n+i, and a chunk the node has is not fetched (nor yields).
+	faulted, fb := packedChunks(10, 1, size)
+	read, rb := packedChunks(20, later, size)
+	late, lb := packedChunks(30, later, size)
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: &packGate{blobs: merged(fb, rb, lb)}}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
+	clock, yields := fakeClock(s)
 	ctx := context.Background()
 	if _, err := s.Get(ctx, faulted[0], nil, Fault); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the fault's fetch to end", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return s.active[Fault] == 0
-	})
+	waitIdle(t, s)
 	clock.Store(int64(FaultQuiet / 2))
 	s.Want(read, Read)
 	if _, err := s.Get(ctx, read[0], nil, Read); err != nil {
@@ -327,52 +323,60 @@ func TestBackgroundYieldsAfterAFault(t *testing.T) {
 	if yields.Load() == 0 {
 		t.Errorf("a read %v after a fault did not yield", FaultQuiet/2)
 	}
+	waitIdle(t, s) // the read's other chunks have yielded too, or not
 	clock.Store(int64(2 * FaultQuiet))
 	before := yields.Load()
 	s.Want(late, Read)
 	if _, err := s.Get(ctx, late[0], nil, Read); err != nil {
 		t.Fatal(err)
 	}
+	waitIdle(t, s)
 	if n := yields.Load() - before; n != 0 {
 		t.Errorf("a read %v after a fault yielded %d times", 2*FaultQuiet, n)
 	}
 }
 
 // TestBackgroundYieldsAfterAFaultThatJoinedARead: a page fault on a chunk
-// the background had already started fetching waits on that fetch; when
-// it ends, the background yields for FaultQuiet as after any fault.
+// the background had already started fetching, alone or coalesced into
+// the range of another (a member of its batch), waits on that fetch; once
+// the fault has its bytes, the background yields for FaultQuiet as after
+// any fault, before the fetch's write into the node cache is done.
 func TestBackgroundYieldsAfterAFaultThatJoinedARead(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		chunks, fault int
+	}{{"the fetch's chunk", 1, 0}, {"a chunk of its batch", 3, 2}} {
+		t.Run(tc.name, func(t *testing.T) { backgroundYieldsAfterJoinedFault(t, tc.chunks, tc.fault) })
+	}
+}
+
+func backgroundYieldsAfterJoinedFault(t *testing.T, chunks, fault int) {
 	c, codec := setup(t)
 	const size = 32 << 10
-	joined, jb := packedChunks(3, 1, size)
-	late, lb := packedChunks(4, 2, size)
-	all := blobs{}
-	for _, m := range []blobs{jb, lb} {
-		for d, p := range m {
-			all[d] = p
-		}
-	}
-	gate := &packGate{blobs: all, pack: joined[0].Blob, entered: make(chan struct{}), release: make(chan struct{})}
+	joined, jb := packedChunks(10, chunks, size)
+	late, lb := packedChunks(20, 1, size) // not one of joined's (seeds 10 apart)
+	gate := &packGate{blobs: merged(jb, lb), pack: joined[0].Blob, entered: make(chan struct{}), release: make(chan struct{})}
 	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: gate}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
-	var clock atomic.Int64 // nanoseconds past t0
-	t0 := time.Now()
-	s.now = func() time.Time { return t0.Add(time.Duration(clock.Load())) }
-	var yields atomic.Int64
-	s.yielding = func() { yields.Add(1) }
+	clock, yields := fakeClock(s)
 	ctx := context.Background()
 	s.Want(joined, Read)
 	<-gate.entered // the background's fetch has started
 	got := make(chan error, 1)
-	go func() { _, err := s.Get(ctx, joined[0], nil, Fault); got <- err }()
+	go func() { _, err := s.Get(ctx, joined[fault], nil, Fault); got <- err }()
 	eventually(t, "the fault to join the started fetch", func() bool {
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		cl := s.calls[keyOf(joined[0])]
-		return cl != nil && cl.want == Fault
+		cl := s.calls[keyOf(joined[fault])]
+		return cl != nil && cl.want == Fault && cl.started
 	})
 	close(gate.release)
 	if err := <-got; err != nil {
 		t.Fatal(err)
+	}
+	// The fault's reader goes on as soon as its bytes are verified; the
+	// application's work starts then, not when the write is queued.
+	if !s.yields(&call{want: Read}) {
+		t.Errorf("right after the fault was served, the background does not yield")
 	}
 	clock.Store(int64(FaultQuiet / 2))
 	s.Want(late, Read)
@@ -382,4 +386,41 @@ func TestBackgroundYieldsAfterAFaultThatJoinedARead(t *testing.T) {
 	if yields.Load() == 0 {
 		t.Errorf("a read %v after a fault that joined a started fetch did not yield", FaultQuiet/2)
 	}
+}
+
+// fakeClock gives s a clock that stands still at its start until the test
+// moves it (nanoseconds past the start), and counts the background's
+// yields to page faults.
+func fakeClock(s *Scheduler) (clock, yields *atomic.Int64) {
+	clock, yields = new(atomic.Int64), new(atomic.Int64)
+	t0 := time.Now()
+	s.now = func() time.Time { return t0.Add(time.Duration(clock.Load())) }
+	s.yielding = func() { yields.Add(1) }
+	return clock, yields
+}
+
+// waitIdle waits until s has no call queued or running.
+func waitIdle(t *testing.T, s *Scheduler) {
+	t.Helper()
+	eventually(t, "the scheduler to be idle", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for p := range numPriorities {
+			if s.active[p] > 0 || len(s.queues[p]) > 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// merged returns one set of the blobs of all of ms.
+func merged(ms ...blobs) blobs {
+	all := blobs{}
+	for _, m := range ms {
+		for d, p := range m {
+			all[d] = p
+		}
+	}
+	return all
 }
