@@ -9,6 +9,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
@@ -50,6 +51,8 @@ type server struct {
 	uploads *gofer.Client
 
 	reads, faults, served, written atomic.Int64
+	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
+	noPopulate atomic.Bool
 }
 
 // Destroy implements stateipc.AsyncFileServerImpl.Destroy.
@@ -191,6 +194,7 @@ func (r *reader) read(id int, off int64, dsts [][]byte, prio fetch.Priority) sta
 		}
 	}
 	if n > 0 {
+		r.s.populate(want)
 		if err := r.s.src.ReadAt(r.ctx, r.path, want, off, prio); err != nil {
 			if !errors.Is(err, context.Canceled) {
 				r.s.log.Error("read failed: the sandbox will stop", "path", r.path, "off", off, "len", n, "err", err)
@@ -500,4 +504,34 @@ func (w *refWriter) Close() error {
 		close(stop)
 	}
 	return nil
+}
+
+// populate faults in the pages of dsts (the sandbox's memory file, mapped
+// by the stateipc server) before the bytes arrive: one
+// madvise(MADV_POPULATE_WRITE) per range, as gVisor's own allocator fills
+// memory (pgalloc's tryPopulate), instead of a page fault per 4 KiB page
+// in the middle of each socket read. Measured on a 2 GiB restore, this
+// took a sixth off the time until every page is loaded
+// (docs/benchmarks.md). It is an optimization only: a kernel without
+// MADV_POPULATE_WRITE (before 5.14) answers EINVAL, and the gofer stops
+// asking; any other error leaves the pages to fault in as before.
+func (s *server) populate(dsts [][]byte) {
+	if s.noPopulate.Load() {
+		return
+	}
+	page := uintptr(unix.Getpagesize())
+	for _, d := range dsts {
+		// Whole pages only: a range's first partial page faults in as
+		// before.
+		addr := uintptr(unsafe.Pointer(unsafe.SliceData(d)))
+		skip := int((page - addr%page) % page)
+		if len(d) <= skip+int(page) {
+			continue
+		}
+		if err := unix.Madvise(d[skip:], unix.MADV_POPULATE_WRITE); errors.Is(err, unix.EINVAL) {
+			s.log.Info("MADV_POPULATE_WRITE not supported: pages fault in as they are written", "err", err)
+			s.noPopulate.Store(true)
+			return
+		}
+	}
 }
