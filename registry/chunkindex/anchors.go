@@ -229,12 +229,3 @@ func (a redisAnchors) prune(ctx context.Context, keep func(pack digest.Digest, r
 	}
 	return int(dropped.Load()), nil
 }
-
-// AnchorsIn reports where an index keeps its anchors, for logs and
-// --help: "storage" or "redis".
-func (ci *Index) AnchorsIn() string {
-	if _, ok := ci.anchors.(redisAnchors); ok {
-		return "redis"
-	}
-	return "storage"
-}

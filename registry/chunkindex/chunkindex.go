@@ -423,6 +423,9 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 	// composition to a list that is not there) until newer neighbors
 	// push it out.
 	gone := map[digest.Digest]bool{}
+	// Each (repository, pack) is checked once in this pass, however many
+	// lists, entries and anchors name it.
+	links := ci.newLinkCache()
 	lists, err := extstore.Prune(ctx, ci.driver, PacksRoot, func(p string) bool {
 		data, err := ci.driver.GetContent(ctx, p)
 		if err != nil {
@@ -433,7 +436,7 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 			return false
 		}
 		pack := digest.Digest("sha256:" + path.Base(p))
-		kept, dropped, err := ci.pruneRepositories(ctx, pack, l.Repositories)
+		kept, dropped, err := links.keep(ctx, pack, l.Repositories)
 		if err != nil || !dropped {
 			return false
 		}
@@ -470,7 +473,7 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		if !b.Frame {
 			repos = b.repositories()
 		}
-		kept, dropped, err := ci.pruneRepositories(ctx, b.Digest, repos)
+		kept, dropped, err := links.keep(ctx, b.Digest, repos)
 		if err != nil || !dropped {
 			return false
 		}
@@ -489,32 +492,10 @@ func (ci *Index) Prune(ctx context.Context) (int, error) {
 		return lists + entries, err
 	}
 	if ra, ok := ci.anchors.(redisAnchors); ok {
-		// Each (pack, repository) is checked once, however many anchors
-		// name it.
 		// On a redis cluster the masters are walked at once.
-		var mu sync.Mutex
-		live := map[api.ChunkBlob]bool{}
 		n, err := ra.prune(ctx, func(pack digest.Digest, repos []string) ([]string, error) {
-			var kept []string
-			for _, r := range repos {
-				b := api.ChunkBlob{Repository: r, Digest: pack}
-				mu.Lock()
-				ok, seen := live[b]
-				mu.Unlock()
-				if !seen {
-					var err error
-					if ok, err = ci.linked(ctx, b); err != nil {
-						return repos, err
-					}
-					mu.Lock()
-					live[b] = ok
-					mu.Unlock()
-				}
-				if ok {
-					kept = append(kept, r)
-				}
-			}
-			return kept, nil
+			kept, _, err := links.keep(ctx, pack, repos)
+			return kept, err
 		})
 		entries += n
 		if err != nil {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/registry/api"
@@ -235,12 +236,46 @@ func (ci *Index) mergePackList(ctx context.Context, repo string, p ocispec.Descr
 	return nil
 }
 
-// pruneRepositories keeps, of repos, those that still link blob d, and
-// reports whether any was dropped.
-func (ci *Index) pruneRepositories(ctx context.Context, d digest.Digest, repos []string) ([]string, bool, error) {
+// linkCache answers whether a repository links a blob (Index.linked),
+// asking the store once per (repository, blob): a composition checks a
+// pack for each anchor that names it, gc for each list, entry and anchor.
+// It is safe for concurrent use (gc walks a redis cluster's masters at
+// once). What it remembers is as old as the cache: it lives for one
+// composition or one gc pass.
+type linkCache struct {
+	ci    *Index
+	mu    sync.Mutex
+	known map[api.ChunkBlob]bool
+}
+
+func (ci *Index) newLinkCache() *linkCache {
+	return &linkCache{ci: ci, known: map[api.ChunkBlob]bool{}}
+}
+
+// linked reports whether repository b.Repository links blob b.Digest.
+func (lc *linkCache) linked(ctx context.Context, b api.ChunkBlob) (bool, error) {
+	lc.mu.Lock()
+	live, ok := lc.known[b]
+	lc.mu.Unlock()
+	if ok {
+		return live, nil
+	}
+	live, err := lc.ci.linked(ctx, b)
+	if err != nil {
+		return false, err
+	}
+	lc.mu.Lock()
+	lc.known[b] = live
+	lc.mu.Unlock()
+	return live, nil
+}
+
+// keep returns, of repos, those that still link blob d, and reports
+// whether any was dropped.
+func (lc *linkCache) keep(ctx context.Context, d digest.Digest, repos []string) ([]string, bool, error) {
 	var kept []string
 	for _, r := range repos {
-		live, err := ci.linked(ctx, api.ChunkBlob{Repository: r, Digest: d})
+		live, err := lc.linked(ctx, api.ChunkBlob{Repository: r, Digest: d})
 		if err != nil {
 			return repos, false, err
 		}
@@ -297,7 +332,7 @@ func (ci *Index) Compose(ctx context.Context, repo string, chunks []api.ComposeC
 		return nil, err
 	}
 	src := &frameSource{ci: ci, ctx: ctx, visible: visible, readers: map[string]*blobReader{}, bad: map[digest.Digest]bool{},
-		links: map[api.ChunkBlob]bool{}, noList: map[digest.Digest]bool{}}
+		links: ci.newLinkCache(), noList: map[digest.Digest]bool{}}
 	defer src.close()
 	sources, err := src.find(chunks)
 	if err != nil {
@@ -398,7 +433,7 @@ type frameSource struct {
 	// links caches which (repository, pack) are linked, and noList the
 	// packs without a readable list, so that packs many anchors name
 	// cost their checks once.
-	links  map[api.ChunkBlob]bool
+	links  *linkCache
 	noList map[digest.Digest]bool
 }
 
@@ -538,14 +573,9 @@ func (s *frameSource) firstLinked(pack digest.Digest, repos []string) (string, e
 		if !s.visible(r) {
 			continue
 		}
-		b := api.ChunkBlob{Repository: r, Digest: pack}
-		live, ok := s.links[b]
-		if !ok {
-			var err error
-			if live, err = s.ci.linked(s.ctx, b); err != nil {
-				return "", err
-			}
-			s.links[b] = live
+		live, err := s.links.linked(s.ctx, api.ChunkBlob{Repository: r, Digest: pack})
+		if err != nil {
+			return "", err
 		}
 		if live {
 			return r, nil

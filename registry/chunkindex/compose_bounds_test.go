@@ -17,6 +17,7 @@ import (
 	"github.com/distribution/distribution/v3/registry/storage/driver"
 	"github.com/distribution/distribution/v3/registry/storage/driver/inmemory"
 	"github.com/distribution/reference"
+	"github.com/opencontainers/go-digest"
 )
 
 // newEnv returns an index on an empty in-memory registry.
@@ -26,10 +27,20 @@ func newEnv(t *testing.T) *env { return newEnvWith(t, chunkindex.Options{}, nil)
 // reaching its storage through wrap(the registry's driver) if wrap is
 // not nil.
 func newEnvWith(t *testing.T, opts chunkindex.Options, wrap func(driver.StorageDriver) driver.StorageDriver) *env {
+	mem := inmemory.New()
+	var index driver.StorageDriver = mem
+	if wrap != nil {
+		index = wrap(mem)
+	}
+	return envOn(t, opts, mem, index)
+}
+
+// envOn returns an index with opts, its registry on reg and its own
+// storage reached through index.
+func envOn(t *testing.T, opts chunkindex.Options, reg, index driver.StorageDriver) *env {
 	t.Helper()
 	ctx := context.Background()
-	mem := inmemory.New()
-	ns, err := storage.NewRegistry(ctx, mem, storage.EnableDelete)
+	ns, err := storage.NewRegistry(ctx, reg, storage.EnableDelete)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,11 +48,7 @@ func newEnvWith(t *testing.T, opts chunkindex.Options, wrap func(driver.StorageD
 	if err != nil {
 		t.Fatal(err)
 	}
-	var index driver.StorageDriver = mem
-	if wrap != nil {
-		index = wrap(mem)
-	}
-	return &env{t: t, driver: mem, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(index, ns, codec, opts)}
+	return &env{t: t, driver: reg, ctx: ctx, ns: ns, codec: codec, ci: chunkindex.New(index, ns, codec, opts)}
 }
 
 // TestComposeReadsFramesWithoutBlobBuffers composes 16 tiny frames from
@@ -172,53 +179,112 @@ func (l *listReads) GetContent(ctx context.Context, p string) ([]byte, error) {
 func TestComposeChecksAPackOnce(t *testing.T) {
 	for _, store := range []string{"storage", "redis"} {
 		t.Run(store, func(t *testing.T) {
-			var reads *listReads
-			opts := chunkindex.Options{}
-			if store == "redis" {
-				opts.Redis = startRedis(t)
-			}
-			e := newEnvWith(t, opts, func(d driver.StorageDriver) driver.StorageDriver {
-				reads = &listReads{StorageDriver: d}
+			reads := &listReads{}
+			e := newEnvWith(t, storeOptions(t, store), func(d driver.StorageDriver) driver.StorageDriver {
+				reads.StorageDriver = d
 				return reads
 			})
-			var frames []frame
-			var data []byte
-			for i := 0; len(frames) < 8; i++ {
-				f, enc := e.zstdFrame(fmt.Sprintf("anchor-%d-", i))
-				if !strings.HasSuffix(f.chunk.Encoded(), "0") {
-					continue
-				}
-				f.offset = int64(len(data))
-				data = append(data, enc...)
-				frames = append(frames, f)
-			}
-			pack := e.put("a", data)
-			var want []api.ComposeChunk
-			for i := range frames {
-				frames[i].pack = pack
-				want = append(want, api.ComposeChunk{Digest: frames[i].chunk, Size: frames[i].size})
-			}
-			if err := e.pushTable("a", frames); err != nil {
-				t.Fatal(err)
-			}
-			named, _ := reference.WithName("a")
-			r, err := e.ns.Repository(e.ctx, named)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := r.Blobs(e.ctx).Delete(e.ctx, pack.Digest); err != nil {
-				t.Fatal(err)
-			}
+			_, want := e.unlinkedAnchorPack(t, 8)
 			before := reads.n.Load()
 			resp, err := e.ci.Compose(e.ctx, "b", want, 0, func(string) bool { return true })
 			if err != nil || len(resp.Frames) != 0 {
 				t.Fatalf("composition from an unlinked pack: %+v, %v", resp, err)
 			}
 			if n := reads.n.Load() - before; n > 1 {
-				t.Errorf("a composition of %d anchors of one unlinked pack read its list %d times", len(frames), n)
+				t.Errorf("a composition of %d anchors of one unlinked pack read its list %d times", len(want), n)
 			}
 		})
 	}
+}
+
+// linkReads counts the reads of repositories' links to one blob (a
+// GetContent or Stat of a path under a repository's _layers naming it).
+type linkReads struct {
+	driver.StorageDriver
+	blob string // encoded digest
+	n    atomic.Int64
+}
+
+func (l *linkReads) GetContent(ctx context.Context, p string) ([]byte, error) {
+	l.count(p)
+	return l.StorageDriver.GetContent(ctx, p)
+}
+
+func (l *linkReads) Stat(ctx context.Context, p string) (driver.FileInfo, error) {
+	l.count(p)
+	return l.StorageDriver.Stat(ctx, p)
+}
+
+func (l *linkReads) count(p string) {
+	if l.blob != "" && strings.Contains(p, "/_layers/") && strings.Contains(p, l.blob) {
+		l.n.Add(1)
+	}
+}
+
+// TestGCChecksAPackOnce: gc (Prune) asks whether a repository links a
+// pack once in a pass, however many of its lists, entries and anchors
+// name the pack (it checked once per anchor).
+func TestGCChecksAPackOnce(t *testing.T) {
+	for _, store := range []string{"storage", "redis"} {
+		t.Run(store, func(t *testing.T) {
+			// The registry's links are read through the counter too.
+			reads := &linkReads{StorageDriver: inmemory.New()}
+			e := envOn(t, storeOptions(t, store), reads, reads)
+			pack, _ := e.unlinkedAnchorPack(t, 8)
+			reads.blob = pack.Encoded()
+			if _, err := e.ci.Prune(e.ctx); err != nil {
+				t.Fatal(err)
+			}
+			if n := reads.n.Load(); n != 1 {
+				t.Errorf("gc read repository a's link to a pack 8 anchors name %d times, want 1", n)
+			}
+		})
+	}
+}
+
+// storeOptions returns the index options that keep anchors in store:
+// "storage" (the storage driver) or "redis" (a redis-server of the test's).
+func storeOptions(t *testing.T, store string) chunkindex.Options {
+	if store == "redis" {
+		return chunkindex.Options{Redis: startRedis(t)}
+	}
+	return chunkindex.Options{}
+}
+
+// unlinkedAnchorPack pushes to repository a a table of one pack holding
+// n anchor chunks, then deletes the pack from a, and returns the pack and
+// its chunks as a composition asks for them.
+func (e *env) unlinkedAnchorPack(t *testing.T, n int) (digest.Digest, []api.ComposeChunk) {
+	t.Helper()
+	var frames []frame
+	var data []byte
+	for i := 0; len(frames) < n; i++ {
+		f, enc := e.zstdFrame(fmt.Sprintf("anchor-%d-", i))
+		if !strings.HasSuffix(f.chunk.Encoded(), "0") {
+			continue
+		}
+		f.offset = int64(len(data))
+		data = append(data, enc...)
+		frames = append(frames, f)
+	}
+	pack := e.put("a", data)
+	var want []api.ComposeChunk
+	for i := range frames {
+		frames[i].pack = pack
+		want = append(want, api.ComposeChunk{Digest: frames[i].chunk, Size: frames[i].size})
+	}
+	if err := e.pushTable("a", frames); err != nil {
+		t.Fatal(err)
+	}
+	named, _ := reference.WithName("a")
+	r, err := e.ns.Repository(e.ctx, named)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Blobs(e.ctx).Delete(e.ctx, pack.Digest); err != nil {
+		t.Fatal(err)
+	}
+	return pack.Digest, want
 }
 
 // TestComposeTakesNoFrameFromHiddenRepositories records one pack from a
