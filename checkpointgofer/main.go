@@ -219,7 +219,13 @@ func openSource(ctx context.Context, cfg gofer.Config, log *slog.Logger) (gofer.
 	}
 	c := gofer.NewClient(cfg.Socket, cfg.Mount, cfg.Index, 0)
 	c.Logf = func(format string, args ...any) { log.Warn(fmt.Sprintf(format, args...)) }
-	return c, c.Close, nil
+	// The gofer runs as root on the node, as cryo does: it may read
+	// ranges of the node store's files in place.
+	c.InPlace = true
+	return c, func() {
+		log.Info("read in place", "bytes", c.PlacedBytes())
+		c.Close()
+	}, nil
 }
 
 // statFiles asks the source for the sizes of the checkpoint files before

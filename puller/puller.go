@@ -25,6 +25,7 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
@@ -985,18 +986,7 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 			fmt.Fprintf(w, "read %s off=%d len=%d start=%s took=%s prio=%d\n", path, off, len(p), t0.Format("15:04:05.000000"), time.Since(t0), prio)
 		}()
 	}
-	// The working set: what the sandbox waited on, of the lazy files
-	// (small files are fetched before the mount is ready anyway).
-	switch {
-	case m.files != nil && m.files[i].Data != nil:
-	case path != format.PagesFile:
-		m.rec.Waited(path, off, int64(len(p)))
-	case prio >= fetch.Fault:
-		m.rec.Waited(path, off, int64(len(p)))
-		m.sandboxFaulted()
-	default:
-		m.rec.Swept()
-	}
+	m.account(i, off, int64(len(p)), prio)
 	if m.materialized != "" || m.files == nil {
 		// A MountFiles mount of a materialized snapshot reads its dir; a
 		// bind mount (materialized, or eager) reads through its mount point.
@@ -1006,11 +996,76 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 		}
 		return m.readMaterialized(dir, i, p, off)
 	}
-	if path == format.PagesFile {
-		m.l.sandboxReads()
-	}
 	src := format.ChunkSource(scheduled{s: m.l.sched, prio: prio})
 	return imagefs.ReadAt(ctx, m.l.p.cache, &m.files[i], p, off, src, &m.fsStats)
+}
+
+// account counts a read of n bytes at off of file i, at prio, as the
+// sandbox's: the working set records what it waited on (of the lazy
+// files; small files are fetched before the mount is ready anyway), a
+// page fault tells the scheduler the sandbox runs, and a first read of
+// pages.img lets the held background go.
+func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
+	path := m.l.snap.Files[i].Path
+	switch {
+	case m.files != nil && m.files[i].Data != nil:
+	case path != format.PagesFile:
+		m.rec.Waited(path, off, n)
+	case prio >= fetch.Fault:
+		m.rec.Waited(path, off, n)
+		m.sandboxFaulted()
+	default:
+		m.rec.Swept()
+	}
+	if path == format.PagesFile && m.materialized == "" && m.files != nil {
+		m.l.sandboxReads()
+	}
+}
+
+// Place reports where the verified bytes [off, off+n) of the snapshot's
+// file path lie in place in the node store, for a reader that reads them
+// itself instead of through ReadAt (the checkpoint gofer, over the file
+// API): the file of the snapshot's materialized dir, or of its assembly
+// once every chunk the range overlaps was written there (cache.Assembly's
+// InPlace). A range found in place counts as read at prio (ReadAt's
+// bookkeeping); one not found counts as nothing, for ReadAt to read.
+// Small files a loading mount serves from memory are never in place.
+func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InPlace, bool) {
+	i, ok := m.fileIndex(path)
+	if !ok || off < 0 || n <= 0 || off+n > m.l.snap.Files[i].Size {
+		return cache.InPlace{}, false
+	}
+	f := m.l.snap.Files[i]
+	var in cache.InPlace
+	switch {
+	case m.materialized != "":
+		name := filepath.Join(m.materialized, filepath.FromSlash(f.Path))
+		info, err := os.Lstat(name)
+		if err != nil || !info.Mode().IsRegular() || info.Size() != f.Size {
+			return cache.InPlace{}, false
+		}
+		st, ok := info.Sys().(*syscall.Stat_t)
+		if !ok {
+			return cache.InPlace{}, false
+		}
+		in = cache.InPlace{Path: name, Dev: uint64(st.Dev), Ino: st.Ino}
+	case m.files == nil || m.files[i].Data != nil:
+		return cache.InPlace{}, false // a bind mount; a small file in memory
+	default:
+		select {
+		case <-m.l.prepared:
+		default:
+			return cache.InPlace{}, false // no assembly yet
+		}
+		if in, ok = m.l.asm.InPlace(i, off, n); !ok {
+			return cache.InPlace{}, false
+		}
+	}
+	if w := m.l.p.opts.ReadLog; w != nil {
+		fmt.Fprintf(w, "read %s off=%d len=%d start=%s took=0s prio=%d in place\n", path, off, n, time.Now().Format("15:04:05.000000"), prio)
+	}
+	m.account(i, off, n, prio)
+	return in, true
 }
 
 // FileSize returns the size of the snapshot's file path.

@@ -48,6 +48,9 @@ type image struct {
 	fds []*os.File
 	// digests are the chunks placed in it (for removal).
 	digests []digest.Digest
+	// ids are the files' places while assembled, by index, found on
+	// first use (Assembly.InPlace).
+	ids []InPlace
 	// users counts reads and writes using fds; once gone (evicted, found
 	// damaged or discarded) the last user closes them. Under Store.mu.
 	users int
@@ -579,6 +582,64 @@ func (a *Assembly) inPlace(f *format.File, c format.Chunk) bool {
 	a.s.mu.Lock()
 	defer a.s.mu.Unlock()
 	return a.filled[fi][ci] && !a.tainted[fi]
+}
+
+// InPlace is a file of the node store that holds a range of a snapshot's
+// file at the same offsets: the file at Path, whose device and inode
+// numbers are Dev and Ino.
+type InPlace struct {
+	Path     string
+	Dev, Ino uint64
+}
+
+// InPlace reports where bytes [off, off+n) of the assembly's file fi lie
+// in place, for a reader that reads them itself (the checkpoint gofer): in
+// the assembly's own file, if every chunk the range overlaps was written
+// there from verified bytes (place) or is a zero chunk (the file's holes),
+// the file was never found damaged, and the assembly is neither committed
+// nor given up. Those bytes are never written again: a reader that opens
+// Path and finds Dev and Ino reads them, verified, as ReadAt would.
+func (a *Assembly) InPlace(fi int, off, n int64) (InPlace, bool) {
+	if a == nil || a.img == nil || fi < 0 || fi >= len(a.chunks) || n <= 0 {
+		return InPlace{}, false
+	}
+	fc := a.chunks[fi]
+	// The first chunk that ends past off.
+	ci := sort.Search(len(fc), func(i int) bool { return fc[i].Offset+fc[i].Size > off })
+	s := a.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if a.done || a.tainted[fi] || a.img.gone || a.img.fds[fi] == nil {
+		return InPlace{}, false
+	}
+	end := off + n
+	covered := off
+	for ; ci < len(fc) && fc[ci].Offset < end; ci++ {
+		c := fc[ci]
+		if c.Offset > covered || c.Encoding != format.EncodingZero && !a.filled[fi][ci] {
+			return InPlace{}, false
+		}
+		covered = c.Offset + c.Size
+	}
+	if covered < end {
+		return InPlace{}, false
+	}
+	if a.img.ids == nil {
+		a.img.ids = make([]InPlace, len(a.img.fds))
+	}
+	id := &a.img.ids[fi]
+	if id.Path == "" {
+		info, err := a.img.fds[fi].Stat()
+		if err != nil {
+			return InPlace{}, false
+		}
+		st, ok := info.Sys().(*syscall.Stat_t)
+		if !ok {
+			return InPlace{}, false
+		}
+		*id = InPlace{Path: filepath.Join(a.img.dir, filepath.FromSlash(a.img.paths[fi])), Dev: uint64(st.Dev), Ino: st.Ino}
+	}
+	return *id, true
 }
 
 // assembly returns snapshot d's live assembly, with a reference the caller

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"net/url"
@@ -12,10 +13,13 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/opencontainers/go-digest"
+	"golang.org/x/sys/unix"
 )
 
 // The file API, served on a cryo process's unix socket:
@@ -28,9 +32,19 @@ import (
 // or it is the background sweep ("read", the default). A GET's bytes are
 // written only once all of them are read and verified: a response cut
 // short is a connection lost, never a wrong byte.
+//
+// A GET with "Cryo-Place: accept" (PlaceHeader) may be answered in place
+// instead: 204, Content-Range as a 206's, and "Cryo-Place: DEV:INO:PATH",
+// when the mount's verified bytes of the whole range lie at the same
+// offsets in the node store's file PATH (escaped as a URL path), whose
+// device and inode numbers are DEV and INO (Placer). The client then
+// reads them from that file itself: one copy of each byte, not three (the
+// server's read, its socket write, the client's socket read). Only a
+// client that may open the node store's files (root, on the node) asks.
 const (
 	SnapshotHeader = "Cryo-Snapshot"
 	PriorityHeader = "Cryo-Priority"
+	PlaceHeader    = "Cryo-Place"
 )
 
 // MaxRange bounds the bytes one GET asks for: what the server holds in
@@ -51,6 +65,15 @@ type Files interface {
 	// ReadAt fills p with the file's verified bytes at off (within the
 	// file), fetched at priority prio if not local.
 	ReadAt(ctx context.Context, path string, p []byte, off int64, prio fetch.Priority) error
+}
+
+// Placer is implemented by Files that can say where a range's verified
+// bytes lie in place in the node store (puller.Mount does): the file
+// holds them at the same offsets and, once they are there, never changes
+// them. A range found counts as read at prio; one not found (ok false)
+// counts as nothing.
+type Placer interface {
+	Place(path string, off, n int64, prio fetch.Priority) (in cache.InPlace, ok bool)
 }
 
 // Lookup finds the files of a mount by id, and the mount's index digest.
@@ -156,6 +179,14 @@ func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync
 		http.Error(w, fmt.Sprintf("%s %q: want fault or read", PriorityHeader, p), http.StatusBadRequest)
 		return
 	}
+	if pl, ok := files.(Placer); ok && r.Header.Get(PlaceHeader) == "accept" {
+		if in, ok := pl.Place(path, start, end-start, prio); ok {
+			w.Header().Set(PlaceHeader, fmt.Sprintf("%d:%d:%s", in.Dev, in.Ino, (&url.URL{Path: in.Path}).EscapedPath()))
+			w.Header().Set("Content-Range", fmt.Sprintf("bytes %d-%d/%d", start, end-1, size))
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+	}
 	id := r.PathValue("id")
 	turn := turns.take(r.Context(), id)
 	if turn == nil {
@@ -214,10 +245,29 @@ type Client struct {
 	deadline time.Duration
 	// Logf, if set, gets a line per retried request.
 	Logf func(format string, args ...any)
+	// InPlace, if set before the first read, lets ReadAt read a range
+	// the server answers in place (PlaceHeader) from the node store's
+	// file itself. Only a client that may open those files sets it.
+	InPlace bool
 
 	mu    sync.Mutex
 	sizes map[string]int64
+	// places are the node store's files opened for in-place answers, by
+	// device and inode.
+	places map[[2]uint64]*os.File
+	// placed counts the bytes read in place; noPlace is set once a file
+	// of an in-place answer could not be opened for want of permission.
+	placed  atomic.Int64
+	noPlace atomic.Bool
 }
+
+// PlacedBytes returns how many bytes ReadAt read in place (InPlace).
+func (c *Client) PlacedBytes() int64 { return c.placed.Load() }
+
+// maxPlaces bounds the files a Client keeps open for in-place answers (a
+// mount has one per lazy file while it is assembled, then one in its
+// materialized dir); past it, a file is opened for one read.
+const maxPlaces = 16
 
 // DefaultDeadline is how long Client.ReadAt keeps trying a range before it
 // fails it (a failed read kills the sandbox): as long as the puller's own
@@ -250,8 +300,17 @@ func NewClient(socket, id string, index digest.Digest, deadline time.Duration) *
 	}
 }
 
-// Close closes idle connections.
-func (c *Client) Close() { c.http.CloseIdleConnections() }
+// Close closes idle connections and the files opened for in-place
+// answers.
+func (c *Client) Close() {
+	c.http.CloseIdleConnections()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for k, f := range c.places {
+		f.Close()
+		delete(c.places, k)
+	}
+}
 
 // Size returns the size of the snapshot's file path, retrying lost
 // connections until the deadline; os.ErrNotExist if the snapshot has no
@@ -378,6 +437,27 @@ func (l local) ReadAt(ctx context.Context, path string, dsts [][]byte, off int64
 // GET; it returns how many bytes it read and whether an error is worth
 // retrying.
 func (c *Client) get(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) (int, bool, error) {
+	n, retry, err := c.getAt(ctx, path, dsts, off, prio, c.InPlace && !c.noPlace.Load())
+	if errors.Is(err, errPlace) {
+		// The file the server named could not be read: the same range
+		// through the socket; and every range so, if this process may
+		// not open the node store's files.
+		if errors.Is(err, fs.ErrPermission) {
+			c.noPlace.Store(true)
+		}
+		if c.Logf != nil {
+			c.Logf("%s: %v; reading through the socket", path, err)
+		}
+		return c.getAt(ctx, path, dsts, off, prio, false)
+	}
+	return n, retry, err
+}
+
+// errPlace is an in-place answer that could not be read from its file.
+var errPlace = errors.New("in-place answer unreadable")
+
+// getAt is get, accepting an in-place answer if inPlace is set.
+func (c *Client) getAt(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority, inPlace bool) (int, bool, error) {
 	total := 0
 	for _, d := range dsts {
 		total += len(d)
@@ -390,11 +470,28 @@ func (c *Client) get(ctx context.Context, path string, dsts [][]byte, off int64,
 	if prio == fetch.Fault {
 		req.Header.Set(PriorityHeader, "fault")
 	}
+	if inPlace {
+		req.Header.Set(PlaceHeader, "accept")
+	}
 	resp, err := c.http.Do(req)
 	if err != nil {
 		return 0, true, err
 	}
 	defer resp.Body.Close()
+	if inPlace && resp.StatusCode == http.StatusNoContent {
+		if err := c.check(resp, http.StatusNoContent); err != nil {
+			return 0, false, err
+		}
+		want := fmt.Sprintf("bytes %d-%d/", off, off+int64(total)-1)
+		if cr := resp.Header.Get("Content-Range"); !strings.HasPrefix(cr, want) {
+			return 0, false, fmt.Errorf("%s: %d bytes at %d asked, %q answered in place", path, total, off, cr)
+		}
+		if err := c.readPlace(resp.Header.Get(PlaceHeader), dsts, off); err != nil {
+			return 0, false, fmt.Errorf("%s at %d: %w: %w", path, off, errPlace, err)
+		}
+		c.placed.Add(int64(total))
+		return total, false, nil
+	}
 	if err := c.check(resp, http.StatusPartialContent); err != nil {
 		return 0, resp.StatusCode >= 500 && !errors.Is(err, ErrOtherSnapshot), err
 	}
@@ -410,6 +507,71 @@ func (c *Client) get(ctx context.Context, path string, dsts [][]byte, off int64,
 		}
 	}
 	return n, false, nil
+}
+
+// readPlace reads dsts, one after the other, from off on in the file an
+// in-place answer names ("DEV:INO:PATH"), opened once and kept: the file
+// at PATH only if its device and inode numbers are DEV and INO (a file
+// renamed or replaced since the answer is refused).
+func (c *Client) readPlace(place string, dsts [][]byte, off int64) error {
+	devS, rest, ok1 := strings.Cut(place, ":")
+	inoS, escaped, ok2 := strings.Cut(rest, ":")
+	dev, err1 := strconv.ParseUint(devS, 10, 64)
+	ino, err2 := strconv.ParseUint(inoS, 10, 64)
+	name, err3 := url.PathUnescape(escaped)
+	if !ok1 || !ok2 || err1 != nil || err2 != nil || err3 != nil || !strings.HasPrefix(name, "/") {
+		return fmt.Errorf("%s %q: want DEV:INO:/PATH", PlaceHeader, place)
+	}
+	key := [2]uint64{dev, ino}
+	c.mu.Lock()
+	f := c.places[key]
+	c.mu.Unlock()
+	if f == nil {
+		var err error
+		if f, err = openPlace(name, dev, ino); err != nil {
+			return err
+		}
+		c.mu.Lock()
+		switch {
+		case c.places[key] != nil: // opened meanwhile by another read
+			f.Close()
+			f = c.places[key]
+		case len(c.places) < maxPlaces:
+			if c.places == nil {
+				c.places = map[[2]uint64]*os.File{}
+			}
+			c.places[key] = f
+		default:
+			defer f.Close()
+		}
+		c.mu.Unlock()
+	}
+	for _, d := range dsts {
+		if _, err := f.ReadAt(d, off); err != nil {
+			return err
+		}
+		off += int64(len(d))
+	}
+	return nil
+}
+
+// openPlace opens the file name for reading if it is a regular file with
+// device and inode numbers dev and ino.
+func openPlace(name string, dev, ino uint64) (*os.File, error) {
+	f, err := os.OpenFile(name, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || uint64(st.Dev) != dev || st.Ino != ino {
+		f.Close()
+		return nil, fmt.Errorf("%s is not the file answered (device %d, inode %d)", name, dev, ino)
+	}
+	return f, nil
 }
 
 // ErrOtherSnapshot is the error of a mount that serves another snapshot
