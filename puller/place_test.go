@@ -18,7 +18,8 @@ import (
 // TestMountPlacesVerifiedRanges: a gofer mount says where pages.img lies
 // in place once its chunks are in: in the node store's assembly of the
 // snapshot while it loads (the file holds the source's bytes), in the
-// materialized dir for a later mount of the snapshot; never for a small
+// materialized dir once it is committed, for the mount and for a later
+// mount of the snapshot; never for a small
 // file served from memory; and a range answered in place counts as read
 // (a page fault's is in the working set recorded).
 func TestMountPlacesVerifiedRanges(t *testing.T) {
@@ -74,19 +75,25 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 	}
 	close(hold)
 	waitLoaded(t, m)
+	img, ok := p.Materialized(s.Index.Digest)
+	if !ok {
+		t.Fatal("not materialized")
+	}
+	matPages := filepath.Join(img, format.PagesFile)
+	// The assembly is committed: the mount's sandbox (a daemon's) may
+	// still be loading, from the materialized dir now.
+	if in, ok := m.Place(format.PagesFile, 4096, 8192, fetch.Read); !ok || in.Path != matPages {
+		t.Errorf("the mount, once its snapshot is materialized: in place %v at %s, want %s", ok, in.Path, matPages)
+	}
 
 	m2, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt2"), FilesOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m2.Unmount() })
-	img, ok := p.Materialized(s.Index.Digest)
-	if !ok {
-		t.Fatal("not materialized")
-	}
 	in2, ok := m2.Place(format.PagesFile, 4096, 8192, fetch.Read)
-	if !ok || in2.Path != filepath.Join(img, format.PagesFile) {
-		t.Fatalf("a mount of the materialized snapshot: in place %v at %s, want %s", ok, in2.Path, filepath.Join(img, format.PagesFile))
+	if !ok || in2.Path != matPages {
+		t.Fatalf("a mount of the materialized snapshot: in place %v at %s, want %s", ok, in2.Path, matPages)
 	}
 	if got, err := os.ReadFile(in2.Path); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("the materialized pages.img differs: %v", err)

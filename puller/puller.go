@@ -798,6 +798,9 @@ type Mount struct {
 	files []imagefs.File
 	// rec records the working set of the sandbox reading the mount.
 	rec *profile.Recorder
+	// matPlaces are the files' places in the materialized dir, by index,
+	// once found (Place). Under mu.
+	matPlaces []cache.InPlace
 
 	loaded chan struct{}
 	mu     sync.Mutex
@@ -1035,20 +1038,12 @@ func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InP
 	if !ok || off < 0 || n <= 0 || off+n > m.l.snap.Files[i].Size {
 		return cache.InPlace{}, false
 	}
-	f := m.l.snap.Files[i]
 	var in cache.InPlace
 	switch {
 	case m.materialized != "":
-		name := filepath.Join(m.materialized, filepath.FromSlash(f.Path))
-		info, err := os.Lstat(name)
-		if err != nil || !info.Mode().IsRegular() || info.Size() != f.Size {
+		if in, ok = m.materializedPlace(i, m.materialized); !ok {
 			return cache.InPlace{}, false
 		}
-		st, ok := info.Sys().(*syscall.Stat_t)
-		if !ok {
-			return cache.InPlace{}, false
-		}
-		in = cache.InPlace{Path: name, Dev: uint64(st.Dev), Ino: st.Ino}
 	case m.files == nil || m.files[i].Data != nil:
 		return cache.InPlace{}, false // a bind mount; a small file in memory
 	default:
@@ -1057,7 +1052,22 @@ func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InP
 		default:
 			return cache.InPlace{}, false // no assembly yet
 		}
-		if in, ok = m.l.asm.InPlace(i, off, n); !ok {
+		if in, ok = m.l.asm.InPlace(i, off, n); ok {
+			break
+		}
+		// Once loaded, the assembly is the snapshot's materialized dir
+		// (a daemon's mount commits it as soon as every chunk is in,
+		// while its sandbox may still be loading).
+		select {
+		case <-m.loaded:
+		default:
+			return cache.InPlace{}, false
+		}
+		dir, found := m.l.p.cache.Image(m.l.src.Index.Digest)
+		if !found {
+			return cache.InPlace{}, false
+		}
+		if in, ok = m.materializedPlace(i, dir); !ok {
 			return cache.InPlace{}, false
 		}
 	}
@@ -1084,6 +1094,31 @@ func (m *Mount) fileIndex(path string) (int, bool) {
 		}
 	}
 	return 0, false
+}
+
+// materializedPlace returns where file i lies in the materialized dir dir
+// (pinned by the mount), found once and kept.
+func (m *Mount) materializedPlace(i int, dir string) (cache.InPlace, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.matPlaces == nil {
+		m.matPlaces = make([]cache.InPlace, len(m.l.snap.Files))
+	}
+	f := m.l.snap.Files[i]
+	name := filepath.Join(dir, filepath.FromSlash(f.Path))
+	if in := m.matPlaces[i]; in.Path == name {
+		return in, true
+	}
+	info, err := os.Lstat(name)
+	if err != nil || !info.Mode().IsRegular() || info.Size() != f.Size {
+		return cache.InPlace{}, false
+	}
+	st, ok := info.Sys().(*syscall.Stat_t)
+	if !ok {
+		return cache.InPlace{}, false
+	}
+	m.matPlaces[i] = cache.InPlace{Path: name, Dev: uint64(st.Dev), Ino: st.Ino}
+	return m.matPlaces[i], true
 }
 
 // readMaterialized reads file i of a materialized mount from dir, its
