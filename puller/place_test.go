@@ -16,7 +16,9 @@ import (
 )
 
 // TestMountPlacesVerifiedRanges: a gofer mount says where pages.img lies
-// in place once its chunks are in: in the node store's assembly of the
+// in place once its chunks are in and its sandbox has faulted (before,
+// the restore's loader reads through the file API): in the node store's
+// assembly of the
 // snapshot while it loads (the file holds the source's bytes), in the
 // materialized dir once it is committed, for the mount and for a later
 // mount of the snapshot; never for a small
@@ -46,6 +48,15 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 	}
 	if _, ok := m.Place(format.PagesFile, size-10, 20, fetch.Fault); ok {
 		t.Error("a range past pages.img's end answered in place")
+	}
+	// Before the sandbox's first page fault nothing is answered in place,
+	// even once every chunk is stored.
+	settle(t, p.cache, snapshotChunksOf(t, s, format.PagesFile))
+	if _, ok := m.Place(format.PagesFile, 0, 4096, fetch.Read); ok {
+		t.Error("a range answered in place before the sandbox's first page fault")
+	}
+	if err := m.ReadAt(ctx, format.PagesFile, make([]byte, 4096), 1<<20, fetch.Fault); err != nil {
+		t.Fatal(err)
 	}
 	// Wait for the background load to write every chunk in place.
 	var in cache.InPlace
@@ -97,6 +108,18 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 	}
 	if got, err := os.ReadFile(in2.Path); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("the materialized pages.img differs: %v", err)
+	}
+	// The dir's file replaced (as a commit replaces a dir found damaged):
+	// the answer names the new file, not the inode it replaced.
+	tmp := matPages + ".new"
+	if err := os.WriteFile(tmp, want, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, matPages); err != nil {
+		t.Fatal(err)
+	}
+	if in3, ok := m2.Place(format.PagesFile, 4096, 8192, fetch.Read); !ok || in3.Ino == in2.Ino {
+		t.Errorf("after the materialized file was replaced: in place %v, inode %d, the old one was %d", ok, in3.Ino, in2.Ino)
 	}
 }
 

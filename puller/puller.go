@@ -796,11 +796,10 @@ type Mount struct {
 	// files are what imagefs serves: every file's chunks, and the small
 	// files' bytes.
 	files []imagefs.File
-	// rec records the working set of the sandbox reading the mount.
-	rec *profile.Recorder
-	// matPlaces are the files' places in the materialized dir, by index,
-	// once found (Place). Under mu.
-	matPlaces []cache.InPlace
+	// rec records the working set of the sandbox reading the mount;
+	// faulted is set at its first page fault on pages.img.
+	rec     *profile.Recorder
+	faulted atomic.Bool
 
 	loaded chan struct{}
 	mu     sync.Mutex
@@ -1016,6 +1015,7 @@ func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
 		m.rec.Waited(path, off, n)
 	case prio >= fetch.Fault:
 		m.rec.Waited(path, off, n)
+		m.faulted.Store(true)
 		m.sandboxFaulted()
 	default:
 		m.rec.Swept()
@@ -1031,7 +1031,10 @@ func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
 // API): the file of the snapshot's materialized dir, or of its assembly
 // once every chunk the range overlaps was written there (cache.Assembly's
 // InPlace). A range found in place counts as read at prio (ReadAt's
-// bookkeeping); one not found counts as nothing, for ReadAt to read.
+// bookkeeping); one not found counts as nothing, for ReadAt to read. (A
+// reader that cannot read the file it was given and falls back to ReadAt
+// has the range counted twice, which the working set and the sandbox's
+// first read take as once.)
 // Small files a loading mount serves from memory are never in place.
 func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InPlace, bool) {
 	i, ok := m.fileIndex(path)
@@ -1046,6 +1049,12 @@ func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InP
 		}
 	case m.files == nil || m.files[i].Data != nil:
 		return cache.InPlace{}, false // a bind mount; a small file in memory
+	case !m.faulted.Load():
+		// Until its sandbox runs (its first page fault), a restore's
+		// loader reads while runsc decodes the kernel's state, on the
+		// same cores: reads at the pace of the file API leave runsc
+		// more of them (in place, a 256 MiB restore ran again later).
+		return cache.InPlace{}, false
 	default:
 		select {
 		case <-m.l.prepared:
@@ -1097,18 +1106,12 @@ func (m *Mount) fileIndex(path string) (int, bool) {
 }
 
 // materializedPlace returns where file i lies in the materialized dir dir
-// (pinned by the mount), found once and kept.
+// (pinned by the mount), looked up on every call as readMaterialized
+// opens it on every read: a dir found damaged and replaced by a later
+// commit is answered by its new file, never by the inode it replaced.
 func (m *Mount) materializedPlace(i int, dir string) (cache.InPlace, bool) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.matPlaces == nil {
-		m.matPlaces = make([]cache.InPlace, len(m.l.snap.Files))
-	}
 	f := m.l.snap.Files[i]
 	name := filepath.Join(dir, filepath.FromSlash(f.Path))
-	if in := m.matPlaces[i]; in.Path == name {
-		return in, true
-	}
 	info, err := os.Lstat(name)
 	if err != nil || !info.Mode().IsRegular() || info.Size() != f.Size {
 		return cache.InPlace{}, false
@@ -1117,8 +1120,7 @@ func (m *Mount) materializedPlace(i int, dir string) (cache.InPlace, bool) {
 	if !ok {
 		return cache.InPlace{}, false
 	}
-	m.matPlaces[i] = cache.InPlace{Path: name, Dev: uint64(st.Dev), Ino: st.Ino}
-	return m.matPlaces[i], true
+	return cache.InPlace{Path: name, Dev: uint64(st.Dev), Ino: st.Ino}, true
 }
 
 // readMaterialized reads file i of a materialized mount from dir, its

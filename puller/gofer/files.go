@@ -255,10 +255,13 @@ type Client struct {
 	// places are the node store's files opened for in-place answers, by
 	// device and inode.
 	places map[[2]uint64]*os.File
-	// placed counts the bytes read in place; noPlace is set once a file
-	// of an in-place answer could not be opened for want of permission.
-	placed  atomic.Int64
-	noPlace atomic.Bool
+	// placed counts the bytes read in place; placeFailures the in-place
+	// answers in a row that could not be read; noPlace is set once the
+	// client stops asking for them. closed (under mu) is set by Close.
+	placed        atomic.Int64
+	placeFailures atomic.Int64
+	noPlace       atomic.Bool
+	closed        bool
 }
 
 // PlacedBytes returns how many bytes ReadAt read in place (InPlace).
@@ -266,7 +269,9 @@ func (c *Client) PlacedBytes() int64 { return c.placed.Load() }
 
 // maxPlaces bounds the files a Client keeps open for in-place answers (a
 // mount has one per lazy file while it is assembled, then one in its
-// materialized dir); past it, a file is opened for one read.
+// materialized dir); past it, a file is opened for one read. A file kept
+// open holds its disk space until Close, also once the node store
+// removed it (an assembly given up): a gofer's client lives one restore.
 const maxPlaces = 16
 
 // DefaultDeadline is how long Client.ReadAt keeps trying a range before it
@@ -306,6 +311,7 @@ func (c *Client) Close() {
 	c.http.CloseIdleConnections()
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.closed = true
 	for k, f := range c.places {
 		f.Close()
 		delete(c.places, k)
@@ -439,19 +445,29 @@ func (l local) ReadAt(ctx context.Context, path string, dsts [][]byte, off int64
 func (c *Client) get(ctx context.Context, path string, dsts [][]byte, off int64, prio fetch.Priority) (int, bool, error) {
 	n, retry, err := c.getAt(ctx, path, dsts, off, prio, c.InPlace && !c.noPlace.Load())
 	if errors.Is(err, errPlace) {
-		// The file the server named could not be read: the same range
-		// through the socket; and every range so, if this process may
-		// not open the node store's files.
-		if errors.Is(err, fs.ErrPermission) {
+		// The in-place answer could not be read: the same range through
+		// the socket; and every range so, from now on, if this process
+		// may not open the node store's files or failed maxPlaceFailures
+		// times in a row.
+		failed := c.placeFailures.Add(1)
+		if errors.Is(err, fs.ErrPermission) || failed >= maxPlaceFailures {
 			c.noPlace.Store(true)
 		}
 		if c.Logf != nil {
 			c.Logf("%s: %v; reading through the socket", path, err)
+			if c.noPlace.Load() {
+				c.Logf("%s: no more in-place reads: %d failed in a row", path, failed)
+			}
 		}
 		return c.getAt(ctx, path, dsts, off, prio, false)
 	}
 	return n, retry, err
 }
+
+// maxPlaceFailures is how many in-place answers in a row a Client may
+// fail to read before it stops asking for them (a gofer that cannot see
+// the node store's files: another mount namespace).
+const maxPlaceFailures = 8
 
 // errPlace is an in-place answer that could not be read from its file.
 var errPlace = errors.New("in-place answer unreadable")
@@ -480,16 +496,20 @@ func (c *Client) getAt(ctx context.Context, path string, dsts [][]byte, off int6
 	defer resp.Body.Close()
 	if inPlace && resp.StatusCode == http.StatusNoContent {
 		if err := c.check(resp, http.StatusNoContent); err != nil {
-			return 0, false, err
+			if errors.Is(err, ErrOtherSnapshot) {
+				return 0, false, err
+			}
+			return 0, false, fmt.Errorf("%s at %d: %w: %w", path, off, errPlace, err)
 		}
 		want := fmt.Sprintf("bytes %d-%d/", off, off+int64(total)-1)
 		if cr := resp.Header.Get("Content-Range"); !strings.HasPrefix(cr, want) {
-			return 0, false, fmt.Errorf("%s: %d bytes at %d asked, %q answered in place", path, total, off, cr)
+			return 0, false, fmt.Errorf("%s: %w: %d bytes at %d asked, %q answered", path, errPlace, total, off, cr)
 		}
 		if err := c.readPlace(resp.Header.Get(PlaceHeader), dsts, off); err != nil {
 			return 0, false, fmt.Errorf("%s at %d: %w: %w", path, off, errPlace, err)
 		}
 		c.placed.Add(int64(total))
+		c.placeFailures.Store(0)
 		return total, false, nil
 	}
 	if err := c.check(resp, http.StatusPartialContent); err != nil {
@@ -536,7 +556,7 @@ func (c *Client) readPlace(place string, dsts [][]byte, off int64) error {
 		case c.places[key] != nil: // opened meanwhile by another read
 			f.Close()
 			f = c.places[key]
-		case len(c.places) < maxPlaces:
+		case len(c.places) < maxPlaces && !c.closed:
 			if c.places == nil {
 				c.places = map[[2]uint64]*os.File{}
 			}

@@ -24,6 +24,9 @@ type placedFiles struct {
 	data      []byte
 	path      string
 	inoOffset uint64
+	// gone: the file answered is not there (a gofer that cannot see the
+	// node store's files).
+	gone bool
 
 	mu            sync.Mutex
 	reads, places int
@@ -45,6 +48,9 @@ func (f *placedFiles) Place(_ string, _, _ int64, _ fetch.Priority) (cache.InPla
 	f.mu.Lock()
 	f.places++
 	f.mu.Unlock()
+	if f.gone {
+		return cache.InPlace{Path: f.path + ".gone", Dev: 1, Ino: 1}, true
+	}
 	info, err := os.Stat(f.path)
 	if err != nil {
 		return cache.InPlace{}, false
@@ -142,6 +148,21 @@ func TestClientReadsInPlace(t *testing.T) {
 	}
 	if len(logged) != 1 {
 		t.Errorf("logged %d lines for the refused answer, want 1", len(logged))
+	}
+
+	// A client that can never open the files answered stops asking after
+	// maxPlaceFailures answers in a row; every read is right.
+	f = &placedFiles{data: data, path: path, gone: true}
+	c = NewClient(serveFiles(t, f), "m", testIndex, 10*time.Second)
+	c.InPlace = true
+	for range maxPlaceFailures + 4 {
+		if got := read(c); !bytes.Equal(got, data[8192:]) {
+			t.Fatal("bytes read after an unreadable in-place answer differ")
+		}
+	}
+	c.Close()
+	if reads, places := f.counts(); reads != maxPlaceFailures+4 || places != maxPlaceFailures {
+		t.Errorf("%d reads of files it cannot open: server read %d times and placed %d, want %d and %d", maxPlaceFailures+4, reads, places, maxPlaceFailures+4, maxPlaceFailures)
 	}
 }
 
