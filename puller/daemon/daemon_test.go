@@ -378,8 +378,9 @@ func TestSocketModes(t *testing.T) {
 // TestGoferMount asks the daemon for a gofer mount: its dir holds
 // gcs_opts.json alone (0600), naming the daemon's socket, the mount and
 // the snapshot, and the file API serves the snapshot's bytes to a
-// gofer.Client of that config, at either priority; a client expecting
-// another snapshot is refused, and so are ranges past the file.
+// gofer.Client of that config, at either priority, and in place once the
+// mount is loaded; a client expecting another snapshot is refused, and so
+// are ranges past the file.
 func TestGoferMount(t *testing.T) {
 	td := newTestDaemon(t, Options{})
 	var m Mount
@@ -428,6 +429,28 @@ func TestGoferMount(t *testing.T) {
 	}
 	if !bytes.Equal(got, want) {
 		t.Fatal("pages.img through the file API differs")
+	}
+	// Once the mount is loaded (its snapshot materialized), a client that
+	// may read the node store gets every byte in place, right.
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+		var now Mount
+		json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+m.ID, "", http.StatusOK), &now)
+		if now.LoadedSeconds > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("mount not loaded after a minute: %+v", now)
+		}
+	}
+	pc := gofer.NewClient(cfg.Socket, cfg.Mount, cfg.Index, 5*time.Second)
+	pc.InPlace = true
+	defer pc.Close()
+	placed := make([]byte, len(want))
+	if err := pc.ReadAt(ctx, "pages.img", [][]byte{placed}, 0, fetch.Read); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(placed, want) || pc.PlacedBytes() != int64(len(want)) {
+		t.Fatalf("pages.img read in place: same bytes %v, %d of %d bytes in place", bytes.Equal(placed, want), pc.PlacedBytes(), len(want))
 	}
 	if _, err := c.Size(ctx, "nope.img"); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("size of a missing file: %v, want ErrNotExist", err)
