@@ -18,9 +18,6 @@ type Reader struct {
 	src   content.Fetcher
 	codec *Codec
 	bufs  sync.Pool
-	// runs, if set (plan), fetches the frames it names in runs, from rf.
-	runs *runPlan
-	rf   RangeFetcher
 }
 
 var _ ChunkSource = (*Reader)(nil)
@@ -36,34 +33,12 @@ func NewReader(src content.Fetcher) (*Reader, error) {
 	return r, nil
 }
 
-// plan makes the Reader fetch the packed chunks of files, which it will be
-// asked for in this order, in runs of several frames per range request
-// (planRuns, under ctx), if its source serves ranges.
-func (r *Reader) plan(ctx context.Context, files [][]Chunk, ahead int) {
-	if rf, ok := r.src.(RangeFetcher); ok {
-		r.rf, r.runs = rf, planRuns(ctx, files, ahead)
-	}
-}
-
 // Close releases the Reader's decoders.
 func (r *Reader) Close() { r.codec.Close() }
 
 // Chunk fetches chunk c's blob and returns its verified bytes, appended to
-// buf[:0] (FetchChunk), or, for a frame of its plan (planRuns), decodes
-// and verifies it from its run's bytes. Zero chunks need no fetch.
+// buf[:0] (FetchChunk). Zero chunks need no fetch.
 func (r *Reader) Chunk(ctx context.Context, c Chunk, buf []byte) ([]byte, error) {
-	if r.runs != nil && c.Packed() {
-		if frame, ok := r.runs.frame(ctx, r.rf, c); ok {
-			// A raw frame is verified where it lies, in the run's bytes,
-			// which are never written again: shared, not copied.
-			data, err := r.codec.FromFrame(c, frame, buf)
-			if err == nil {
-				return data, nil
-			}
-			// Bytes damaged in one range request of many frames: this
-			// frame is fetched alone, once more, and verified again.
-		}
-	}
 	bp := r.bufs.Get().(*[]byte)
 	defer r.bufs.Put(bp)
 	return FetchChunk(ctx, r.src, r.codec, c, buf, bp)

@@ -105,13 +105,6 @@ func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, d
 		return nil, nil, err
 	}
 	defer r.Close()
-	// Frames in runs of up to a pack per range request, half the unpack's
-	// concurrency of them fetched ahead (at least 2). Not when resuming:
-	// chunks already in the partial dir are never read from r, and runs
-	// fetched ahead for them would be held until the end.
-	if _, err := os.Lstat(PartialDir(dir)); errors.Is(err, fs.ErrNotExist) {
-		r.plan(ctx, chunks, max(2, opts.Concurrency/2))
-	}
 	st, err := UnpackFrom(ctx, snap, chunks, r, dir, opts)
 	if err != nil {
 		return nil, st, err
@@ -458,7 +451,6 @@ func Verify(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, c
 	if concurrency <= 0 {
 		concurrency = runtime.GOMAXPROCS(0)
 	}
-	r.plan(ctx, chunks, max(2, concurrency/2)) // as Unpack
 	fr := newFileReader(r, concurrency)
 	st := &VerifyStats{}
 	for i := range snap.Files {
