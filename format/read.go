@@ -18,6 +18,8 @@ type Reader struct {
 	src   content.Fetcher
 	codec *Codec
 	bufs  sync.Pool
+	// runs, if set (plan), fetches the frames it names in runs.
+	runs *runPlan
 }
 
 var _ ChunkSource = (*Reader)(nil)
@@ -33,12 +35,41 @@ func NewReader(src content.Fetcher) (*Reader, error) {
 	return r, nil
 }
 
-// Close releases the Reader's decoders.
-func (r *Reader) Close() { r.codec.Close() }
+// plan makes the Reader fetch the packed chunks of files, which it will be
+// asked for in this order, in runs of several frames per range request
+// (planRuns, with up to ahead runs in flight ahead of the one read), if
+// its source serves ranges. Close ends the plan's fetches.
+func (r *Reader) plan(ctx context.Context, files [][]Chunk, ahead int) {
+	if rf, ok := r.src.(RangeFetcher); ok && r.runs == nil {
+		r.runs = planRuns(ctx, rf, files, ahead)
+	}
+}
+
+// Close cancels and waits for the fetches of its plan, if any, and
+// releases the Reader's decoders.
+func (r *Reader) Close() {
+	if r.runs != nil {
+		r.runs.close()
+	}
+	r.codec.Close()
+}
 
 // Chunk fetches chunk c's blob and returns its verified bytes, appended to
-// buf[:0] (FetchChunk). Zero chunks need no fetch.
+// buf[:0] (FetchChunk), or, for a frame of its plan (planRuns), decodes
+// and verifies it from its run's bytes. Zero chunks need no fetch.
 func (r *Reader) Chunk(ctx context.Context, c Chunk, buf []byte) ([]byte, error) {
+	if r.runs != nil && c.Packed() {
+		if frame, ok := r.runs.frame(ctx, c); ok {
+			// A raw frame is verified where it lies, in the run's bytes,
+			// which are never written again: shared, not copied.
+			data, err := r.codec.FromFrame(c, frame, buf)
+			if err == nil {
+				return data, nil
+			}
+			// Bytes damaged in one range request of many frames: this
+			// frame is fetched alone, once more, and verified again.
+		}
+	}
 	bp := r.bufs.Get().(*[]byte)
 	defer r.bufs.Put(bp)
 	return FetchChunk(ctx, r.src, r.codec, c, buf, bp)

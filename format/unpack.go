@@ -105,11 +105,31 @@ func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, d
 		return nil, nil, err
 	}
 	defer r.Close()
+	// Frames in runs of up to a pack per range request, half the unpack's
+	// concurrency of them fetched ahead (2 to maxRunsAhead). Not when
+	// resuming (chunks already in the partial dir are never read from r,
+	// and runs fetched ahead for them would be held until the end), nor
+	// when the caller's options may take chunks from elsewhere.
+	if opts.Staging == "" && opts.InPlace == nil && opts.Verified == nil {
+		if _, err := os.Lstat(PartialDir(dir)); errors.Is(err, fs.ErrNotExist) {
+			r.plan(ctx, chunks, runsAhead(opts.Concurrency))
+		}
+	}
 	st, err := UnpackFrom(ctx, snap, chunks, r, dir, opts)
 	if err != nil {
 		return nil, st, err
 	}
 	return snap, st, nil
+}
+
+// runsAhead is how many runs of frames an unpack or a verify reading
+// concurrency chunks at once (0: GOMAXPROCS, as UnpackFrom) fetches ahead
+// of the one it reads: half of them, 2 to maxRunsAhead.
+func runsAhead(concurrency int) int {
+	if concurrency <= 0 {
+		concurrency = runtime.GOMAXPROCS(0)
+	}
+	return min(max(2, concurrency/2), maxRunsAhead)
 }
 
 // UnpackFrom writes snapshot snap, whose files' chunks are chunks (from
@@ -451,6 +471,7 @@ func Verify(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, c
 	if concurrency <= 0 {
 		concurrency = runtime.GOMAXPROCS(0)
 	}
+	r.plan(ctx, chunks, runsAhead(concurrency)) // as Unpack
 	fr := newFileReader(r, concurrency)
 	st := &VerifyStats{}
 	for i := range snap.Files {
