@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
 // An unpack of a v2 snapshot reads its chunks in file order, and a first
@@ -32,20 +33,25 @@ import (
 // gives its frames back to the caller, who fetches them one by one
 // (Reader.Chunk), so a failed range costs a retry, not the unpack.
 //
-// What a run holds is bounded by what the plan counts: a frame read again
-// later (a chunk two files hold, stored once) is counted only while its
-// run is the one being planned; a later read of it finds the run gone and
-// fetches it alone, so no run waits for a reader files away.
+// What a plan holds is bounded: runs are fetched ahead of the one read
+// only while the runs fetched and not yet dropped hold at most
+// maxHeldBytes, and a frame read again later (a chunk two files hold,
+// stored once) is counted only while its run is the one being planned; a
+// later read of it finds its count spent and fetches it alone, so no run
+// waits for a reader files away.
 
 // Bounds of a run: a pack of the default size whole (a writer fills a
-// pack past DefaultPackSize by up to a chunk), and the gap between two
-// frames of the plan that a run reads and drops. And how many runs may be
-// fetched ahead of the one being read: with maxRunBytes, what a plan
-// holds in memory at once is about (maxRunsAhead+1) x 8 MiB.
+// pack past DefaultPackSize by up to a chunk; a frame larger than that is
+// a run of its own), and the gap between two frames of the plan that a
+// run reads and drops. How many runs may be fetched ahead of the one
+// being read, and how many bytes the runs fetched and not yet dropped may
+// hold before no more are fetched ahead (the run a reader waits for is
+// always fetched).
 const (
 	maxRunBytes  = 2 * DefaultPackSize
 	maxRunGap    = 64 << 10
 	maxRunsAhead = 8
+	maxHeldBytes = 6 * maxRunBytes
 )
 
 // frameKey names a frame by where it lies: two table entries that name
@@ -70,20 +76,26 @@ type runPlan struct {
 	mu      sync.Mutex
 	runs    []*run
 	byFrame map[frameKey]*run
+	// reads counts, per frame, the reads the plan serves that are yet to
+	// come; held is the bytes of the runs fetched (or being fetched) and
+	// not yet dropped.
+	reads map[frameKey]int
+	held  int64
 }
 
 // run is a range of a pack that holds frames of the plan.
 type run struct {
 	index  int
-	c      Chunk // a frame of the run, for its pack's descriptor
+	desc   ocispec.Descriptor // the pack's
 	off, n int64
-	// Under runPlan.mu: users counts the plan's reads of frames in the
-	// run not yet made; started says its fetch began.
-	users   int
-	started bool
+	// Under runPlan.mu: users counts the reads of the run's frames the
+	// plan serves that are yet to end; started says its fetch began,
+	// fetched that it ended, dropped that its bytes are gone.
+	users                     int
+	started, fetched, dropped bool
 
-	done chan struct{}
-	data []byte // once done, if err is nil; nil again once users is 0
+	done chan struct{} // closed once fetched
+	data []byte        // once fetched, if err is nil, until dropped
 	err  error
 }
 
@@ -93,7 +105,8 @@ type run struct {
 // close the plan.
 func planRuns(ctx context.Context, rf RangeFetcher, files [][]Chunk, ahead int) *runPlan {
 	ctx, cancel := context.WithCancel(ctx)
-	p := &runPlan{ctx: ctx, cancel: cancel, rf: rf, ahead: min(max(ahead, 1), maxRunsAhead), byFrame: map[frameKey]*run{}}
+	p := &runPlan{ctx: ctx, cancel: cancel, rf: rf, ahead: min(max(ahead, 1), maxRunsAhead),
+		byFrame: map[frameKey]*run{}, reads: map[frameKey]int{}}
 	var cur *run
 	for _, chunks := range files {
 		for _, c := range chunks {
@@ -104,16 +117,18 @@ func planRuns(ctx context.Context, rf RangeFetcher, files [][]Chunk, ahead int) 
 			if r := p.byFrame[key]; r != nil {
 				if r == cur {
 					r.users++ // read again while its run is read
+					p.reads[key]++
 				}
 				continue // else read alone, when it comes
 			}
 			end := c.PackOffset + c.BlobSize
-			if cur == nil || cur.c.Blob != c.Blob || c.PackOffset < cur.off+cur.n || c.PackOffset > cur.off+cur.n+maxRunGap || end-cur.off > maxRunBytes {
-				cur = &run{index: len(p.runs), c: c, off: c.PackOffset, done: make(chan struct{})}
+			if cur == nil || cur.desc.Digest != c.Blob || cur.desc.Size != c.PackSize || c.PackOffset < cur.off+cur.n || c.PackOffset > cur.off+cur.n+maxRunGap || end-cur.off > maxRunBytes {
+				cur = &run{index: len(p.runs), desc: c.BlobDescriptor(), off: c.PackOffset, done: make(chan struct{})}
 				p.runs = append(p.runs, cur)
 			}
 			cur.n = end - cur.off
 			cur.users++
+			p.reads[key]++
 			p.byFrame[key] = cur
 		}
 	}
@@ -136,58 +151,93 @@ func (p *runPlan) close() {
 // first, is the caller's to fetch alone. The bytes are shared with the
 // run's other frames and must not be modified.
 func (p *runPlan) frame(ctx context.Context, c Chunk) ([]byte, bool) {
+	key := frameKey{c.Blob, c.PackOffset, c.BlobSize}
 	p.mu.Lock()
-	r := p.byFrame[frameKey{c.Blob, c.PackOffset, c.BlobSize}]
-	if r == nil || r.users == 0 {
+	r := p.byFrame[key]
+	if r == nil || p.reads[key] <= 0 {
 		p.mu.Unlock()
 		return nil, false
 	}
-	for i := r.index; i < len(p.runs) && i <= r.index+p.ahead; i++ {
-		if q := p.runs[i]; !q.started && q.users > 0 {
-			q.started = true
-			p.wg.Add(1)
-			go p.fetch(q)
-		}
-	}
+	p.reads[key]--
+	p.start(r)
 	p.mu.Unlock()
 	select {
 	case <-r.done:
 	case <-ctx.Done():
-		// The fetch may still write r.data: it is left to the plan's
-		// close.
 		p.mu.Lock()
-		r.users--
+		p.used(r)
 		p.mu.Unlock()
 		return nil, false
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	r.users--
 	var frame []byte
-	if lo := c.PackOffset - r.off; r.err == nil && lo >= 0 && lo+c.BlobSize <= int64(len(r.data)) {
-		frame = r.data[lo : lo+c.BlobSize]
+	if lo, hi := c.PackOffset-r.off, c.PackOffset-r.off+c.BlobSize; r.data != nil && lo >= 0 && hi <= int64(len(r.data)) {
+		frame = r.data[lo:hi:hi]
 	}
-	if r.users <= 0 {
-		r.data = nil // the last read the plan counted: the bytes go with it
-	}
+	p.used(r)
 	return frame, frame != nil
 }
 
-// fetch reads run r's range; it closes r.done when the bytes (or an
-// error) are in.
+// start fetches run r, if no reader did, and the runs after it, up to
+// p.ahead of them, while they fit in maxHeldBytes. Under p.mu.
+func (p *runPlan) start(r *run) {
+	for i := r.index; i < len(p.runs) && i <= r.index+p.ahead; i++ {
+		q := p.runs[i]
+		if q.started || q.users <= 0 {
+			continue
+		}
+		if q != r && p.held+q.n > maxHeldBytes {
+			break
+		}
+		q.started = true
+		p.held += q.n
+		p.wg.Add(1)
+		go p.fetch(q)
+	}
+}
+
+// used ends a read of one of run r's frames; the last one drops the
+// run's bytes. Under p.mu.
+func (p *runPlan) used(r *run) {
+	r.users--
+	if r.users <= 0 && r.fetched {
+		p.drop(r)
+	}
+}
+
+// drop lets run r's bytes go. Under p.mu.
+func (p *runPlan) drop(r *run) {
+	if !r.dropped {
+		r.dropped = true
+		r.data = nil
+		p.held -= r.n
+	}
+}
+
+// fetch reads run r's range, keeps its bytes if a read is still to
+// come, and closes r.done.
 func (p *runPlan) fetch(r *run) {
 	defer p.wg.Done()
-	defer close(r.done)
-	rc, err := p.rf.FetchRange(p.ctx, r.c.BlobDescriptor(), r.off, r.n)
+	data, err := p.read(r)
+	p.mu.Lock()
+	r.fetched, r.data, r.err = true, data, err
+	if err != nil || r.users <= 0 {
+		p.drop(r) // failed, or every read of it ended first (their ctx)
+	}
+	p.mu.Unlock()
+	close(r.done)
+}
+
+func (p *runPlan) read(r *run) ([]byte, error) {
+	rc, err := p.rf.FetchRange(p.ctx, r.desc, r.off, r.n)
 	if err != nil {
-		r.err = err
-		return
+		return nil, err
 	}
 	defer rc.Close()
 	data := make([]byte, r.n)
 	if _, err := io.ReadFull(rc, data); err != nil {
-		r.err = fmt.Errorf("read %d bytes at %d of pack %s: %w", r.n, r.off, r.c.Blob, err)
-		return
+		return nil, fmt.Errorf("read %d bytes at %d of pack %s: %w", r.n, r.off, r.desc.Digest, err)
 	}
-	r.data = data
+	return data, nil
 }

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -254,7 +256,7 @@ func TestRunPlanCancel(t *testing.T) {
 		if ok {
 			t.Error("a read whose ctx ended was served")
 		}
-	case <-time.After(time.Minute):
+	case <-time.After(10 * time.Second):
 		t.Fatal("a read whose ctx ended still waits for its run's fetch")
 	}
 	p.close()
@@ -267,5 +269,59 @@ func TestRunPlanCancel(t *testing.T) {
 		if !errors.Is(err, context.Canceled) {
 			t.Errorf("a fetch ended with %v, want context.Canceled", err)
 		}
+	}
+}
+
+// TestRunPlanUncountedRead: a chunk read again files later, past another
+// pack, is not counted by the plan; whichever of its two reads comes
+// first is served, the other is the caller's, and the read of its run's
+// other frame is still served (a plan counting reads per run, not per
+// frame, let the uncounted read take that frame's count).
+func TestRunPlanUncountedRead(t *testing.T) {
+	packA, as := rawFrames(t, 1, 4096, 4096)
+	packX, xs := rawFrames(t, 2, 4096)
+	src := &packRanges{packs: map[digest.Digest][]byte{as[0].Blob: packA, xs[0].Blob: packX}}
+	ctx := context.Background()
+	p := planRuns(ctx, src, [][]Chunk{{as[0], as[1]}, {xs[0], as[0]}}, 2)
+	defer p.close()
+	var served []bool
+	for _, c := range []Chunk{as[0], as[0], as[1], xs[0]} {
+		_, ok := p.frame(ctx, c)
+		served = append(served, ok)
+	}
+	if want := []bool{true, false, true, true}; !slices.Equal(served, want) {
+		t.Errorf("served %v, want %v", served, want)
+	}
+}
+
+// TestRunPlanBounds: the runs fetched ahead stop at maxRunsAhead and at
+// maxHeldBytes, a frame larger than maxRunBytes is a run of its own, and
+// runsAhead keeps an unpack's lookahead in 2 to maxRunsAhead.
+func TestRunPlanBounds(t *testing.T) {
+	for conc, want := range map[int]int{1: 2, 8: 4, 100: maxRunsAhead} {
+		if got := runsAhead(conc); got != want {
+			t.Errorf("runsAhead(%d) = %d, want %d", conc, got, want)
+		}
+	}
+	// Packs of one frame of maxRunBytes each (never read: the source
+	// blocks until the plan is closed).
+	var files [][]Chunk
+	for i := range 20 {
+		d := digest.FromString(fmt.Sprint(i))
+		files = append(files, []Chunk{{Size: maxRunBytes, Encoding: EncodingRaw, Digest: d, Blob: d, BlobSize: maxRunBytes, PackSize: maxRunBytes}})
+	}
+	big := digest.FromString("big")
+	files = append(files, []Chunk{{Size: MaxChunkSize, Encoding: EncodingRaw, Digest: big, Blob: big, BlobSize: MaxChunkSize, PackSize: MaxChunkSize}})
+	src := &packRanges{block: true}
+	p := planRuns(context.Background(), src, files, 100)
+	if p.ahead != maxRunsAhead || p.requests() != 21 || p.runs[20].n != MaxChunkSize {
+		t.Errorf("plan: %d ahead, %d runs, the last of %d bytes; want %d, 21, %d", p.ahead, p.requests(), p.runs[20].n, maxRunsAhead, MaxChunkSize)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	p.frame(ctx, files[0][0])
+	p.close()
+	if want := int(maxHeldBytes / maxRunBytes); src.requests != want {
+		t.Errorf("%d runs of %d bytes fetched at once, want %d (maxHeldBytes)", src.requests, maxRunBytes, want)
 	}
 }
