@@ -54,6 +54,14 @@ func (r *Reader) Close() {
 	r.codec.Close()
 }
 
+// skipChunk tells the Reader's plan that chunk c, found on disk, will not
+// be read (an unpack resuming).
+func (r *Reader) skipChunk(c Chunk) {
+	if r.runs != nil && c.Packed() {
+		r.runs.skip(c)
+	}
+}
+
 // Chunk fetches chunk c's blob and returns its verified bytes, appended to
 // buf[:0] (FetchChunk), or, for a frame of its plan (planRuns), decodes
 // and verifies it from its run's bytes. Zero chunks need no fetch.

@@ -179,6 +179,20 @@ func (p *runPlan) frame(ctx context.Context, c Chunk) ([]byte, bool) {
 	return frame, frame != nil
 }
 
+// skip takes back one read of chunk c the plan counted, which its reader
+// found elsewhere (on disk, when an unpack resumes): a run none of whose
+// frames is read is never fetched, and one fetched is dropped once its
+// last counted read is made or skipped.
+func (p *runPlan) skip(c Chunk) {
+	key := frameKey{c.Blob, c.PackOffset, c.BlobSize}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r := p.byFrame[key]; r != nil && p.reads[key] > 0 {
+		p.reads[key]--
+		p.used(r)
+	}
+}
+
 // start fetches run r, if no reader did, and the runs after it, up to
 // p.ahead of them, while they fit in maxHeldBytes. Under p.mu.
 func (p *runPlan) start(r *run) {

@@ -23,6 +23,8 @@ import (
 type rangeCounter struct {
 	content.Fetcher
 	corrupt bool
+	// failPack, if set, fails every request for that pack.
+	failPack digest.Digest
 
 	mu       sync.Mutex
 	requests int
@@ -31,6 +33,9 @@ type rangeCounter struct {
 }
 
 func (f *rangeCounter) FetchRange(ctx context.Context, desc ocispec.Descriptor, off, n int64) (io.ReadCloser, error) {
+	if f.failPack != "" && desc.Digest == f.failPack {
+		return nil, errConnReset
+	}
 	rc, err := OpenRange(ctx, f.Fetcher, desc, off, n)
 	if err != nil {
 		return nil, err
@@ -323,5 +328,86 @@ func TestRunPlanBounds(t *testing.T) {
 	p.close()
 	if want := int(maxHeldBytes / maxRunBytes); src.requests != want {
 		t.Errorf("%d runs of %d bytes fetched at once, want %d (maxHeldBytes)", src.requests, maxRunBytes, want)
+	}
+}
+
+// TestUnpackResumeReadsFramesInRuns: an unpack interrupted halfway
+// resumes with range requests for what it lacks,
+// about one per pack as a clean unpack, not one per chunk, and asks for
+// no more bytes than a clean unpack.
+func TestUnpackResumeReadsFramesInRuns(t *testing.T) {
+	ctx := context.Background()
+	src := makeImageDir(t)
+	store, desc, _ := packToLayout(t, src, PackOptions{Format: V2})
+	_, pts := loadTables(t, store, desc)
+	var order []digest.Digest // the packs of the frames, in read order
+	packs := map[digest.Digest]bool{}
+	for _, pt := range pts {
+		for _, c := range pt.Table.Chunks {
+			if c.Encoding != EncodingZero {
+				order = append(order, c.Blob)
+				packs[c.Blob] = true
+			}
+		}
+	}
+	frames := len(order)
+	clean := &rangeCounter{Fetcher: store}
+	if _, _, err := Unpack(ctx, clean, desc, filepath.Join(t.TempDir(), "out"), UnpackOptions{Concurrency: 4}); err != nil {
+		t.Fatal(err)
+	}
+	cleanRequests, cleanBytes := clean.counts()
+
+	out := filepath.Join(t.TempDir(), "out")
+	// The pack of the middle frame is down: the frames before it are
+	// written, the rest is left for the resume.
+	cut := &rangeCounter{Fetcher: store, failPack: order[frames/2]}
+	if _, _, err := Unpack(ctx, cut, desc, out, UnpackOptions{Concurrency: 1}); !errors.Is(err, errConnReset) {
+		t.Fatalf("interrupted unpack: %v, want %v", err, errConnReset)
+	}
+	again := &rangeCounter{Fetcher: store}
+	_, st, err := Unpack(ctx, again, desc, out, UnpackOptions{Concurrency: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	compareDirs(t, src, out)
+	requests, asked := again.counts()
+	if st.ChunksReused == 0 {
+		t.Fatalf("resume reused no chunk of the interrupted unpack's")
+	}
+	if requests > cleanRequests || asked > cleanBytes {
+		t.Errorf("resume made %d range requests for %d bytes (%d frames fetched, %d reused); a clean unpack %d for %d", requests, asked, st.ChunksFetched, st.ChunksReused, cleanRequests, cleanBytes)
+	}
+	if frames < 4*len(packs) || st.ChunksFetched <= 2*len(packs) {
+		t.Fatalf("%d frames in %d packs, %d fetched on resume: too few for this test", frames, len(packs), st.ChunksFetched)
+	}
+}
+
+// TestRunPlanSkip: a run whose frames were all found on disk (skipped) is
+// not fetched, even when it lies within the runs fetched ahead, and a run
+// fetched is dropped once its last frame is read or skipped.
+func TestRunPlanSkip(t *testing.T) {
+	packs := map[digest.Digest][]byte{}
+	var files [][]Chunk
+	for i := range 3 {
+		pack, cs := rawFrames(t, byte(i), 4096, 4096)
+		packs[cs[0].Blob] = pack
+		files = append(files, cs)
+	}
+	src := &packRanges{packs: packs}
+	ctx := context.Background()
+	p := planRuns(ctx, src, files, 2)
+	defer p.close()
+	p.skip(files[1][0])
+	p.skip(files[1][1])
+	if _, ok := p.frame(ctx, files[0][0]); !ok {
+		t.Fatal("first frame not served")
+	}
+	p.skip(files[0][1])
+	p.close() // let the fetch ahead end before counting
+	if src.requests != 2 {
+		t.Errorf("%d runs fetched, want 2 (the skipped one not)", src.requests)
+	}
+	if p.runs[0].data != nil || p.runs[1].started || p.held != p.runs[2].n {
+		t.Errorf("run 0 holds %d bytes, run 1 started %v, %d bytes held; want 0, false, %d (run 2's)", len(p.runs[0].data), p.runs[1].started, p.held, p.runs[2].n)
 	}
 }

@@ -139,6 +139,12 @@ type gotChunk struct {
 	local bool
 }
 
+// chunkSkipper is a ChunkSource told of the chunks a reader found on
+// disk and will not ask it for (a Reader, whose plan then drops them).
+type chunkSkipper interface {
+	skipChunk(c Chunk)
+}
+
 // localFile is the copy of a file an unpack resumes from: r holds it, and
 // inPlace, if set, names the chunks in it that need no verification (their
 // writer verified them; the whole file's sha256 still covers them).
@@ -161,6 +167,9 @@ func (fr *fileReader) chunk(ctx context.Context, c Chunk, buf []byte, local *loc
 		return gotChunk{}, fmt.Errorf("read back chunk %s at %d: %w", c.Digest, c.Offset, err)
 	}
 	if local != nil && localChunk(local.r, c, buf) {
+		if sk, ok := fr.src.(chunkSkipper); ok {
+			sk.skipChunk(c)
+		}
 		return gotChunk{data: buf, local: true}, nil
 	}
 	if c.Encoding == EncodingZero {

@@ -106,17 +106,12 @@ func Unpack(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, d
 	}
 	defer r.Close()
 	// Frames in runs of up to a pack per range request, half the unpack's
-	// concurrency of them fetched ahead (2 to maxRunsAhead). Not when
-	// resuming (chunks already in the partial dir are never read from r,
-	// and runs fetched ahead for them would be held until the end), nor
-	// when the caller's options may take chunks from elsewhere. (A partial
-	// dir left by another unpack, interrupted between this check and
-	// UnpackFrom's, only makes the plan keep the runs of the chunks found
-	// in it until the end.)
+	// concurrency of them fetched ahead (2 to maxRunsAhead). When resuming,
+	// the chunks found in the partial dir are taken out of the plan as
+	// they are found (Reader.skipChunk). Not when the caller's options
+	// may take chunks from elsewhere.
 	if opts.Staging == "" && opts.InPlace == nil && opts.Verified == nil {
-		if _, err := os.Lstat(PartialDir(dir)); errors.Is(err, fs.ErrNotExist) {
-			r.plan(ctx, chunks, runsAhead(opts.Concurrency))
-		}
+		r.plan(ctx, chunks, runsAhead(opts.Concurrency))
 	}
 	st, err := UnpackFrom(ctx, snap, chunks, r, dir, opts)
 	if err != nil {
