@@ -40,19 +40,19 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Unmount() })
-	if _, ok := m.Place("checkpoint.img", 0, 100, fetch.Fault); ok {
+	if _, ok := m.Place(ctx, "checkpoint.img", 0, 100, fetch.Fault); ok {
 		t.Error("checkpoint.img, held in memory, answered in place")
 	}
-	if _, ok := m.Place("no such file", 0, 100, fetch.Fault); ok {
+	if _, ok := m.Place(ctx, "no such file", 0, 100, fetch.Fault); ok {
 		t.Error("a file the snapshot lacks answered in place")
 	}
-	if _, ok := m.Place(format.PagesFile, size-10, 20, fetch.Fault); ok {
+	if _, ok := m.Place(ctx, format.PagesFile, size-10, 20, fetch.Fault); ok {
 		t.Error("a range past pages.img's end answered in place")
 	}
 	// Before the sandbox's first page fault nothing is answered in place,
 	// even once every chunk is stored.
 	settle(t, p.cache, snapshotChunksOf(t, s, format.PagesFile))
-	if _, ok := m.Place(format.PagesFile, 0, 4096, fetch.Read); ok {
+	if _, ok := m.Place(ctx, format.PagesFile, 0, 4096, fetch.Read); ok {
 		t.Error("a range answered in place before the sandbox's first page fault")
 	}
 	if err := m.ReadAt(ctx, format.PagesFile, make([]byte, 4096), 1<<20, fetch.Fault); err != nil {
@@ -62,7 +62,7 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 	var in cache.InPlace
 	for deadline := time.Now().Add(time.Minute); ; {
 		var ok bool
-		if in, ok = m.Place(format.PagesFile, 0, size, fetch.Read); ok {
+		if in, ok = m.Place(ctx, format.PagesFile, 0, size, fetch.Read); ok {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -78,7 +78,7 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 		t.Errorf("in place at %s, outside the node store %s", in.Path, p.opts.CacheDir)
 	}
 	const faultAt, faultLen = 3 << 20, 64 << 10
-	if _, ok := m.Place(format.PagesFile, faultAt, faultLen, fetch.Fault); !ok {
+	if _, ok := m.Place(ctx, format.PagesFile, faultAt, faultLen, fetch.Fault); !ok {
 		t.Fatal("a range of a file in place answered not in place")
 	}
 	if !recorded(m, faultAt, faultLen) {
@@ -93,7 +93,7 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 	matPages := filepath.Join(img, format.PagesFile)
 	// The assembly is committed: the mount's sandbox (a daemon's) may
 	// still be loading, from the materialized dir now.
-	if in, ok := m.Place(format.PagesFile, 4096, 8192, fetch.Read); !ok || in.Path != matPages {
+	if in, ok := m.Place(ctx, format.PagesFile, 4096, 8192, fetch.Read); !ok || in.Path != matPages {
 		t.Errorf("the mount, once its snapshot is materialized: in place %v at %s, want %s", ok, in.Path, matPages)
 	}
 
@@ -102,7 +102,7 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m2.Unmount() })
-	in2, ok := m2.Place(format.PagesFile, 4096, 8192, fetch.Read)
+	in2, ok := m2.Place(ctx, format.PagesFile, 4096, 8192, fetch.Read)
 	if !ok || in2.Path != matPages {
 		t.Fatalf("a mount of the materialized snapshot: in place %v at %s, want %s", ok, in2.Path, matPages)
 	}
@@ -118,7 +118,7 @@ func TestMountPlacesVerifiedRanges(t *testing.T) {
 	if err := os.Rename(tmp, matPages); err != nil {
 		t.Fatal(err)
 	}
-	if in3, ok := m2.Place(format.PagesFile, 4096, 8192, fetch.Read); !ok || in3.Ino == in2.Ino {
+	if in3, ok := m2.Place(ctx, format.PagesFile, 4096, 8192, fetch.Read); !ok || in3.Ino == in2.Ino {
 		t.Errorf("after the materialized file was replaced: in place %v, inode %d, the old one was %d", ok, in3.Ino, in2.Ino)
 	}
 }

@@ -75,6 +75,13 @@ type Options struct {
 	// RecordFor bounds how long a mount records its working set after the
 	// sandbox's first read of pages.img (default profile.DefaultRecordFor).
 	RecordFor time.Duration
+	// RecordSweepRate, if > 0, holds the background sweep of pages.img by
+	// the sandbox's loader to this many bytes a second for RecordHoldFor
+	// after its first read, so that it does not load the app's windows
+	// before the app faults on them and the recorded working set holds
+	// them all (sweephold.go; DefaultRecordSweepRate). For restores that
+	// record a profile to publish; page faults are never held.
+	RecordSweepRate float64
 	// Peers, if set, is the node's pool of peer pullers (peer.Pool): every
 	// load asks a chunk's owner among them before its endpoints, for
 	// snapshots whose Source names their Repository.
@@ -798,7 +805,10 @@ type Mount struct {
 	files []imagefs.File
 	// rec records the working set of the sandbox reading the mount;
 	// faulted is set at its first page fault on pages.img.
-	rec     *profile.Recorder
+	rec *profile.Recorder
+	// hold, if set, holds the sandbox's sweep of pages.img while the
+	// working set is recorded (Options.RecordSweepRate).
+	hold    *sweepHold
 	faulted atomic.Bool
 
 	loaded chan struct{}
@@ -863,7 +873,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		materializeAfter = closed
 	}
 	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter,
-		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor)}
+		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor), hold: newSweepHold(p.opts.RecordSweepRate)}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
@@ -989,6 +999,9 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 		}()
 	}
 	m.account(i, off, int64(len(p)), prio)
+	if m.sweep(i, prio) {
+		m.hold.wait(ctx, int64(len(p)))
+	}
 	if m.materialized != "" || m.files == nil {
 		// A MountFiles mount of a materialized snapshot reads its dir; a
 		// bind mount (materialized, or eager) reads through its mount point.
@@ -1000,6 +1013,12 @@ func (m *Mount) ReadAt(ctx context.Context, path string, p []byte, off int64, pr
 	}
 	src := format.ChunkSource(scheduled{s: m.l.sched, prio: prio})
 	return imagefs.ReadAt(ctx, m.l.p.cache, &m.files[i], p, off, src, &m.fsStats)
+}
+
+// sweep reports whether a read of file i at prio is the loader's sweep of
+// pages.img while the mount loads (what a recording's hold holds).
+func (m *Mount) sweep(i int, prio fetch.Priority) bool {
+	return prio < fetch.Fault && m.l.snap.Files[i].Path == format.PagesFile && m.materialized == "" && m.files != nil
 }
 
 // account counts a read of n bytes at off of file i, at prio, as the
@@ -1034,9 +1053,10 @@ func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
 // bookkeeping); one not found counts as nothing, for ReadAt to read. (A
 // reader that cannot read the file it was given and falls back to ReadAt
 // has the range counted twice, which the working set and the sandbox's
-// first read take as once.)
+// first read take as once.) A recording's hold (Options.RecordSweepRate)
+// holds a sweep read found in place as it holds one read through ReadAt.
 // Small files a loading mount serves from memory are never in place.
-func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InPlace, bool) {
+func (m *Mount) Place(ctx context.Context, path string, off, n int64, prio fetch.Priority) (cache.InPlace, bool) {
 	i, ok := m.fileIndex(path)
 	if !ok || off < 0 || n <= 0 || off+n > m.l.snap.Files[i].Size {
 		return cache.InPlace{}, false
@@ -1084,6 +1104,9 @@ func (m *Mount) Place(path string, off, n int64, prio fetch.Priority) (cache.InP
 		fmt.Fprintf(w, "read %s off=%d len=%d start=%s took=0s prio=%d in place\n", path, off, n, time.Now().Format("15:04:05.000000"), prio)
 	}
 	m.account(i, off, n, prio)
+	if m.sweep(i, prio) {
+		m.hold.wait(ctx, n)
+	}
 	return in, true
 }
 
@@ -1247,11 +1270,18 @@ func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 // the sandbox runs. A longer read taken for a fault does not: through
 // FUSE the sweep's first reads arrive in any order, and some are taken
 // for faults while runsc restore, which waits on the sweep's reads,
-// still runs.
+// still runs. A recording's hold (Options.RecordSweepRate) holds the
+// sweep's reads here.
 func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	waited = m.rec.Read(path, off, n)
 	if path == format.PagesFile && n < imagefs.FaultBelow {
 		m.sandboxFaulted()
+	}
+	if !waited && path == format.PagesFile && n >= imagefs.FaultBelow {
+		// The sweep's read, held while a recording holds it (FUSE gives
+		// the callback no ctx: the hold's rate and RecordHoldFor bound
+		// the wait).
+		m.hold.wait(context.Background(), n)
 	}
 	return waited
 }

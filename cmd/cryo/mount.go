@@ -29,6 +29,11 @@ type pullerFlags struct {
 	// profile is --profile; recordFor bounds recording.
 	profile   string
 	recordFor time.Duration
+	// recording is set by a command that writes or publishes the working
+	// set (--record-profile, --publish-profile): the sweep is then held at
+	// sweepRate (--record-sweep-rate).
+	recording bool
+	sweepRate int64
 	// client is shared by every reference resolved (the daemon's too),
 	// built on first use.
 	client *transfer.Client
@@ -53,9 +58,21 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 	f.peer.register(cmd)
 }
 
+// registerRecording adds --record-sweep-rate, for the commands that
+// record a profile (--record-profile).
+func (f *pullerFlags) registerRecording(cmd *cobra.Command) {
+	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, "with --record-profile or --publish-profile: bytes a second gVisor's background load of pages.img is held to for its first 10s, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)")
+}
+
 // options are the puller's options from the flags.
 func (f *pullerFlags) options() (puller.Options, error) {
 	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, WriteBuffer: f.writeBuf, NoFUSE: f.noFUSE, RecordFor: f.recordFor}
+	if f.recording {
+		if f.sweepRate < 0 {
+			return opts, fmt.Errorf("--record-sweep-rate %d: want 0 or more bytes a second", f.sweepRate)
+		}
+		opts.RecordSweepRate = float64(f.sweepRate)
+	}
 	if f.readLog != "" {
 		w, err := os.Create(f.readLog)
 		if err != nil {
@@ -162,6 +179,7 @@ gofer for that command only (never install it as runsc's own).`,
 			if err := noCoreDumps(); err != nil {
 				return err
 			}
+			pf.recording = recordProfile != ""
 			p, err := pf.open(ctx)
 			if err != nil {
 				return err
@@ -230,6 +248,7 @@ gofer for that command only (never install it as runsc's own).`,
 	}
 	pf.register(cmd, withCredentials)
 	cmd.Flags().StringVar(&recordProfile, "record-profile", "", "write the working set the restoring sandbox waited on to this file (once loaded, and at unmount), for --profile FILE or cryo profile push")
+	pf.registerRecording(cmd)
 	cmd.Flags().StringVar(&backend, "backend", "fuse", "how runsc reads DIR: fuse (a lazy FUSE mount) or gofer (gcs_opts.json for cryo's checkpoint gofer: no FUSE; run runsc with the printed env)")
 	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "with --backend gofer: the runsc that will restore (its release must match the gofer's)")
 	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "with --backend gofer: dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
@@ -298,6 +317,7 @@ to the snapshot in its repository (the node needs push access).`,
 			}
 			vc := make(chan version, 1)
 			go func() { v, err := restore.RunscVersion(ctx, runsc); vc <- version{v, err} }()
+			pf.recording = recordProf != "" || publish
 			p, err := pf.open(ctx)
 			if err != nil {
 				return err
@@ -372,6 +392,7 @@ to the snapshot in its repository (the node needs push access).`,
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().StringVar(&recordProf, "record-profile", "", "write the working set the restored sandbox waited on to this file once every page is loaded (nothing for a snapshot materialized on the node)")
 	cmd.Flags().BoolVar(&publish, "publish-profile", false, "attach the recorded working set to the snapshot in its repository (needs push access)")
+	pf.registerRecording(cmd)
 	cmd.Flags().SetInterspersed(false)
 	return cmd
 }

@@ -73,7 +73,7 @@ type Files interface {
 // them. A range found counts as read at prio; one not found (ok false)
 // counts as nothing.
 type Placer interface {
-	Place(path string, off, n int64, prio fetch.Priority) (in cache.InPlace, ok bool)
+	Place(ctx context.Context, path string, off, n int64, prio fetch.Priority) (in cache.InPlace, ok bool)
 }
 
 // Lookup finds the files of a mount by id, and the mount's index digest.
@@ -180,7 +180,7 @@ func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync
 		return
 	}
 	if pl, ok := files.(Placer); ok && r.Header.Get(PlaceHeader) == "accept" {
-		if in, ok := pl.Place(path, start, end-start, prio); ok {
+		if in, ok := pl.Place(r.Context(), path, start, end-start, prio); ok {
 			w.Header().Set(PlaceHeader, fmt.Sprintf("%d:%d:%s", in.Dev, in.Ino, (&url.URL{Path: in.Path}).EscapedPath()))
 			w.Header().Set("Content-Range", fmt.Sprintf("bytes %d-%d/%d", start, end-1, size))
 			w.WriteHeader(http.StatusNoContent)

@@ -44,7 +44,7 @@ func (f *placedFiles) ReadAt(_ context.Context, _ string, p []byte, off int64, _
 	return nil
 }
 
-func (f *placedFiles) Place(_ string, _, _ int64, _ fetch.Priority) (cache.InPlace, bool) {
+func (f *placedFiles) Place(_ context.Context, _ string, _, _ int64, _ fetch.Priority) (cache.InPlace, bool) {
 	f.mu.Lock()
 	f.places++
 	f.mu.Unlock()

@@ -1,0 +1,83 @@
+package puller
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/internal/synth"
+	"github.com/cryo-oci/cryo/puller/fetch"
+)
+
+// TestRecordingHoldsTheSweep: a mount that records for a profile
+// (Options.RecordSweepRate) holds the loader's sweep of pages.img, through
+// ReadAt and answered in place alike, and never a page fault or another
+// file's read; once RecordHoldFor has passed, or for a mount that does not
+// record, nothing is held. A hold at 1 byte a second is measured by the
+// budget its reads take (its limiter's tokens, give or take what a second
+// refills), not by time.
+func TestRecordingHoldsTheSweep(t *testing.T) {
+	r := startReg(t)
+	_, s := pushV2(t, r, "app", synth.Random, 8<<20, 7)
+	ctx := context.Background()
+	mount := func(opts Options) *Mount {
+		p := newPuller(t, opts)
+		m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Unmount() })
+		return m
+	}
+	// The reads' ctx ends before a held read's turn would come: the wait
+	// returns at once and takes nothing.
+	short, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	taken := func(m *Mount, read func()) float64 {
+		before := m.hold.lim.Tokens()
+		read()
+		return before - m.hold.lim.Tokens()
+	}
+	readAt := func(m *Mount, path string, prio fetch.Priority) func() {
+		return func() {
+			if err := m.ReadAt(short, path, make([]byte, 4096), 0, prio); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+
+	m := mount(Options{RecordSweepRate: 1})
+	near := func(got, want float64) bool { return got > want-64 && got < want+64 }
+	if got := taken(m, readAt(m, format.PagesFile, fetch.Read)); !near(got, 4096) {
+		t.Errorf("a sweep read of 4096 bytes took %.0f of the hold's budget", got)
+	}
+	if got := taken(m, readAt(m, format.PagesFile, fetch.Fault)); !near(got, 0) {
+		t.Errorf("a page fault took %.0f of the hold's budget, want none", got)
+	}
+	if got := taken(m, readAt(m, "checkpoint.img", fetch.Read)); !near(got, 0) {
+		t.Errorf("a read of checkpoint.img took %.0f of the hold's budget, want none", got)
+	}
+	// Once the sandbox has faulted, the sweep's reads of stored bytes are
+	// answered in place: held as well.
+	settle(t, m.l.p.cache, snapshotChunksOf(t, s, format.PagesFile))
+	got := taken(m, func() {
+		if _, ok := m.Place(short, format.PagesFile, 2<<20, 1<<20, fetch.Read); !ok {
+			t.Fatal("a stored range after the first fault not answered in place")
+		}
+	})
+	if !near(got, 1<<20) {
+		t.Errorf("a sweep read of 1 MiB answered in place took %.0f of the hold's budget", got)
+	}
+	m.hold.mu.Lock()
+	m.hold.until = time.Now().Add(-time.Second)
+	m.hold.mu.Unlock()
+	if got := taken(m, readAt(m, format.PagesFile, fetch.Read)); !near(got, 0) {
+		t.Errorf("a sweep read after RecordHoldFor took %.0f of the hold's budget, want none", got)
+	}
+
+	if plain := mount(Options{}); plain.hold != nil {
+		t.Error("a mount that does not record holds its sweep")
+	}
+}
