@@ -13,7 +13,12 @@ import (
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/puller/cache"
 	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/gofer"
 )
+
+// The file API finds in-place answers by a type assertion: a Place whose
+// signature drifted from gofer.Placer would turn them off unseen.
+var _ gofer.Placer = (*Mount)(nil)
 
 // TestMountPlacesVerifiedRanges: a gofer mount says where pages.img lies
 // in place once its chunks are in and its sandbox has faulted (before,

@@ -18,10 +18,13 @@ import (
 //
 // A recording mount (Options.RecordSweepRate) therefore holds the sweep's
 // reads to a rate well below the app's, for the first RecordHoldFor after
-// its first one: the app's faults, never held, then reach the recorder
+// its first one: the app's faults, not held, then reach the recorder
 // for every window the app touches in that time, except those the held
 // sweep still gets to first (the first RecordHoldFor x rate bytes of
-// pages.img at most). The hold costs the recording restore its full-load
+// pages.img at most). What is held is what the classifier takes for the
+// sweep's reads, which include a fault within profile.SweepGap ahead of
+// the sweep (profile.Classifier): such a fault waits at the held rate,
+// and is not recorded either. The hold costs the recording restore its full-load
 // time (about RecordHoldFor longer), and may delay its app's first answer
 // a little: gVisor's loader issues a fault's reads once one of its reads
 // in flight, held sweep reads among them, completes.
@@ -38,7 +41,8 @@ const DefaultRecordSweepRate = 16 << 20
 const RecordHoldFor = 10 * time.Second
 
 // holdBurst is the most bytes one read waits for: larger reads wait as
-// for this many (the gofer's reads are 1 MiB, FUSE's at most 1 MiB).
+// for this many (the gofer's reads are 1 MiB, FUSE's at most 1 MiB). A
+// read's wait ends at the hold's end (RecordHoldFor) whatever the rate.
 const holdBurst = 4 << 20
 
 // sweepHold holds a recording mount's sweep reads to its limiter's rate,
@@ -59,7 +63,9 @@ func newSweepHold(bytesPerSec float64) *sweepHold {
 }
 
 // wait holds a sweep read of n bytes for its turn at the rate, while the
-// hold lasts. It never fails the read: a ctx that ends only ends the wait.
+// hold lasts: a turn that would come after the hold's end is waited for
+// only until then. It never fails the read: a ctx that ends only ends the
+// wait.
 func (h *sweepHold) wait(ctx context.Context, n int64) {
 	if h == nil || n <= 0 {
 		return
@@ -69,9 +75,21 @@ func (h *sweepHold) wait(ctx context.Context, n int64) {
 	if h.until.IsZero() {
 		h.until = now.Add(RecordHoldFor)
 	}
-	over := now.After(h.until)
+	until := h.until
 	h.mu.Unlock()
-	if !over {
-		_ = h.lim.WaitN(ctx, int(min(n, holdBurst)))
+	if !now.Before(until) {
+		return
+	}
+	r := h.lim.ReserveN(now, int(min(n, holdBurst)))
+	d := min(r.DelayFrom(now), until.Sub(now))
+	if d <= 0 {
+		return
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+		r.CancelAt(time.Now())
 	}
 }

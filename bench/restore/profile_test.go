@@ -98,6 +98,9 @@ func BenchmarkProfile(b *testing.B) {
 						switch path {
 						case profRecording:
 							args = append(args, "--profile", "none", "--record-profile", recorded)
+							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
+								args = append(args, "--read-log", log+".recording")
+							}
 						case profNone:
 							args = append(args, "--profile", "none")
 							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {

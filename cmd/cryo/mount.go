@@ -59,9 +59,10 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 }
 
 // registerRecording adds --record-sweep-rate, for the commands that
-// record a profile (--record-profile).
-func (f *pullerFlags) registerRecording(cmd *cobra.Command) {
-	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, "with --record-profile or --publish-profile: bytes a second gVisor's background load of pages.img is held to for its first 10s, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)")
+// record a profile (recordFlags: --record-profile, and --publish-profile
+// where there is one).
+func (f *pullerFlags) registerRecording(cmd *cobra.Command, recordFlags string) {
+	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, fmt.Sprintf("with %s: bytes a second gVisor's background load of pages.img is held to for its first %s, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)", recordFlags, puller.RecordHoldFor))
 }
 
 // options are the puller's options from the flags.
@@ -248,7 +249,7 @@ gofer for that command only (never install it as runsc's own).`,
 	}
 	pf.register(cmd, withCredentials)
 	cmd.Flags().StringVar(&recordProfile, "record-profile", "", "write the working set the restoring sandbox waited on to this file (once loaded, and at unmount), for --profile FILE or cryo profile push")
-	pf.registerRecording(cmd)
+	pf.registerRecording(cmd, "--record-profile")
 	cmd.Flags().StringVar(&backend, "backend", "fuse", "how runsc reads DIR: fuse (a lazy FUSE mount) or gofer (gcs_opts.json for cryo's checkpoint gofer: no FUSE; run runsc with the printed env)")
 	cmd.Flags().StringVar(&runsc, "runsc", "runsc", "with --backend gofer: the runsc that will restore (its release must match the gofer's)")
 	cmd.Flags().StringVar(&goferDir, "gofer-dir", defaultGoferDir(), "with --backend gofer: dir holding cryo's checkpointgofer ($CRYO_GOFER_DIR, else cryo-gofer/ beside the cryo binary)")
@@ -392,7 +393,7 @@ to the snapshot in its repository (the node needs push access).`,
 	cmd.Flags().StringVar(&goferLog, "gofer-log", "", "file cryo's checkpoint gofer appends its log to (runsc gives it no stdio)")
 	cmd.Flags().StringVar(&recordProf, "record-profile", "", "write the working set the restored sandbox waited on to this file once every page is loaded (nothing for a snapshot materialized on the node)")
 	cmd.Flags().BoolVar(&publish, "publish-profile", false, "attach the recorded working set to the snapshot in its repository (needs push access)")
-	pf.registerRecording(cmd)
+	pf.registerRecording(cmd, "--record-profile or --publish-profile")
 	cmd.Flags().SetInterspersed(false)
 	return cmd
 }
