@@ -65,6 +65,14 @@ func (f *pullerFlags) registerRecording(cmd *cobra.Command, recordFlags string) 
 	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, fmt.Sprintf("with %s: bytes a second gVisor's background load of pages.img is held to for its first %s, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)", recordFlags, puller.RecordHoldFor))
 }
 
+// warnSweepRate says on stderr that --record-sweep-rate, given, does
+// nothing without a recording (recordFlags).
+func (f *pullerFlags) warnSweepRate(cmd *cobra.Command, recordFlags string) {
+	if !f.recording && cmd.Flags().Changed("record-sweep-rate") {
+		fmt.Fprintf(cmd.ErrOrStderr(), "cryo: warning: --record-sweep-rate does nothing without %s\n", recordFlags)
+	}
+}
+
 // options are the puller's options from the flags.
 func (f *pullerFlags) options() (puller.Options, error) {
 	opts := puller.Options{CacheDir: f.cacheDir, CacheCap: f.cacheSize, Workers: f.workers, Deadline: f.deadline, WriteBuffer: f.writeBuf, NoFUSE: f.noFUSE, RecordFor: f.recordFor}
@@ -181,6 +189,7 @@ gofer for that command only (never install it as runsc's own).`,
 				return err
 			}
 			pf.recording = recordProfile != ""
+			pf.warnSweepRate(cmd, "--record-profile")
 			p, err := pf.open(ctx)
 			if err != nil {
 				return err
@@ -319,6 +328,7 @@ to the snapshot in its repository (the node needs push access).`,
 			vc := make(chan version, 1)
 			go func() { v, err := restore.RunscVersion(ctx, runsc); vc <- version{v, err} }()
 			pf.recording = recordProf != "" || publish
+			pf.warnSweepRate(cmd, "--record-profile or --publish-profile")
 			p, err := pf.open(ctx)
 			if err != nil {
 				return err
