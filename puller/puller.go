@@ -227,6 +227,10 @@ type Progress struct {
 	FetchedChunks int     `json:"fetchedChunks"`
 	// Profile is the working-set profile the load fetched first, if any.
 	Profile *profile.Info `json:"profile,omitempty"`
+	// RecordSweepRate is the rate, in bytes a second, this mount holds
+	// the sandbox's sweep of pages.img to while it records its profile
+	// (Options.RecordSweepRate, FilesOptions.RecordSweepRate); 0: not held.
+	RecordSweepRate float64 `json:"recordSweepRate,omitempty"`
 }
 
 // Load makes the snapshot local on this node without presenting it (no
@@ -807,9 +811,11 @@ type Mount struct {
 	// faulted is set at its first page fault on pages.img.
 	rec *profile.Recorder
 	// hold, if set, holds the sandbox's sweep of pages.img while the
-	// working set is recorded (Options.RecordSweepRate).
-	hold    *sweepHold
-	faulted atomic.Bool
+	// working set is recorded, at sweepRate (Options.RecordSweepRate,
+	// FilesOptions.RecordSweepRate).
+	hold      *sweepHold
+	sweepRate float64
+	faulted   atomic.Bool
 
 	loaded chan struct{}
 	mu     sync.Mutex
@@ -863,6 +869,10 @@ type FilesOptions struct {
 	// the sandbox"). Reads are never held. (A FUSE mount holds nothing:
 	// measured, it gained nothing there.)
 	AwaitSandbox time.Duration
+	// RecordSweepRate, if > 0, holds this mount's sweep as
+	// Options.RecordSweepRate does every mount's: for a mount whose
+	// recorded profile will be published.
+	RecordSweepRate float64
 }
 
 // mount is Mount, or with files MountFiles.
@@ -873,7 +883,11 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		materializeAfter = closed
 	}
 	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter,
-		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor), hold: newSweepHold(p.opts.RecordSweepRate)}
+		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor), sweepRate: p.opts.RecordSweepRate}
+	if opts.RecordSweepRate > 0 {
+		m.sweepRate = opts.RecordSweepRate
+	}
+	m.hold = newSweepHold(m.sweepRate)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
@@ -1311,7 +1325,7 @@ func (m *Mount) FetchLog() []fetch.LogEntry {
 // Progress reports the mount's state.
 func (m *Mount) Progress() Progress {
 	pr := Progress{Digest: m.l.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.l.total, LocalBytes: m.l.local.Load(),
-		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds(), Profile: m.l.profileInfo}
+		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds(), Profile: m.l.profileInfo, RecordSweepRate: m.sweepRate}
 	select {
 	case <-m.loaded:
 		pr.Loaded = true

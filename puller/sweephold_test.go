@@ -15,16 +15,21 @@ import (
 // (Options.RecordSweepRate) holds the loader's sweep of pages.img, through
 // ReadAt and answered in place alike, and never a page fault or another
 // file's read; once RecordHoldFor has passed, or for a mount that does not
-// record, nothing is held. A hold at 1 byte a second is measured by the
+// record, nothing is held. FilesOptions.RecordSweepRate holds one mount's
+// sweep, and its Progress says so. A hold at 1 byte a second is measured by the
 // budget its reads take (its limiter's tokens, give or take what a second
 // refills), not by time.
 func TestRecordingHoldsTheSweep(t *testing.T) {
 	r := startReg(t)
 	_, s := pushV2(t, r, "app", synth.Random, 8<<20, 7)
 	ctx := context.Background()
-	mount := func(opts Options) *Mount {
+	mount := func(opts Options, fo ...FilesOptions) *Mount {
 		p := newPuller(t, opts)
-		m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond})
+		f := FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond}
+		if len(fo) > 0 {
+			f.RecordSweepRate = fo[0].RecordSweepRate
+		}
+		m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), f)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -115,7 +120,11 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 		t.Errorf("a sweep read after RecordHoldFor took %.0f of the hold's budget, want none", got)
 	}
 
-	if plain := mount(Options{}); plain.hold != nil {
+	if plain := mount(Options{}); plain.hold != nil || plain.Progress().RecordSweepRate != 0 {
 		t.Error("a mount that does not record holds its sweep")
+	}
+	// One mount of a puller that holds none (the daemon's, asked for).
+	if one := mount(Options{}, FilesOptions{RecordSweepRate: 5}); one.hold == nil || one.Progress().RecordSweepRate != 5 {
+		t.Errorf("a mount asked to hold its sweep at 5 B/s: hold %v, progress says %v", one.hold != nil, one.Progress().RecordSweepRate)
 	}
 }

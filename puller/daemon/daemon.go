@@ -268,6 +268,9 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		Ref     string `json:"ref"`
 		Backend string `json:"backend"`
 		Profile string `json:"profile"`
+		// RecordProfile says the mount's recorded profile is one to
+		// keep: its sweep is held while it records (SPEC.md 16.2).
+		RecordProfile bool `json:"recordProfile"`
 	}
 	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil || req.Ref == "" {
 		httpError(w, http.StatusBadRequest, "want a JSON body {\"ref\": \"host/repo:tag\"}")
@@ -282,6 +285,10 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		}
 	default:
 		httpError(w, http.StatusBadRequest, fmt.Sprintf("backend %q: want fuse or gofer", req.Backend))
+		return
+	}
+	if req.RecordProfile && req.Backend != "gofer" {
+		httpError(w, http.StatusBadRequest, "recordProfile needs \"backend\": \"gofer\" (the daemon's FUSE mounts do not hold their sweep)")
 		return
 	}
 	if p := req.Profile; p != "" && p != "auto" && p != "none" {
@@ -330,7 +337,11 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		// A sandbox manager asks for a gofer mount to restore from it
 		// next: its background load waits for the sandbox, as cryo
 		// restore's does.
-		m, err = d.p.MountFiles(r.Context(), src, dir, puller.FilesOptions{AwaitSandbox: puller.AwaitRestore})
+		fo := puller.FilesOptions{AwaitSandbox: puller.AwaitRestore}
+		if req.RecordProfile {
+			fo.RecordSweepRate = puller.DefaultRecordSweepRate
+		}
+		m, err = d.p.MountFiles(r.Context(), src, dir, fo)
 		if err == nil {
 			err = gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Index: src.Index.Digest, Socket: d.socket, Mount: id})
 			if err != nil {

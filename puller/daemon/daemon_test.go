@@ -519,3 +519,22 @@ func TestGoferMountAwaitsTheSandbox(t *testing.T) {
 		json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+m.ID, "", http.StatusOK), &m)
 	}
 }
+
+// TestRecordProfileMount: a gofer mount asked to record a profile to keep
+// ("recordProfile") holds its sweep at the default rate and says so; one
+// not asked holds nothing; a FUSE mount cannot be asked (400).
+func TestRecordProfileMount(t *testing.T) {
+	td := newTestDaemon(t, Options{})
+	var m Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "backend": "gofer", "recordProfile": true}`, http.StatusCreated), &m)
+	json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+m.ID, "", http.StatusOK), &m)
+	if m.RecordSweepRate != puller.DefaultRecordSweepRate {
+		t.Errorf("recording gofer mount: recordSweepRate %v, want %v", m.RecordSweepRate, puller.DefaultRecordSweepRate)
+	}
+	var plain Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "backend": "gofer"}`, http.StatusCreated), &plain)
+	if plain.RecordSweepRate != 0 {
+		t.Errorf("gofer mount not asked to record: recordSweepRate %v, want 0", plain.RecordSweepRate)
+	}
+	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "recordProfile": true}`, http.StatusBadRequest)
+}
