@@ -811,11 +811,10 @@ type Mount struct {
 	// faulted is set at its first page fault on pages.img.
 	rec *profile.Recorder
 	// hold, if set, holds the sandbox's sweep of pages.img while the
-	// working set is recorded, at sweepRate (Options.RecordSweepRate,
+	// working set is recorded (Options.RecordSweepRate,
 	// FilesOptions.RecordSweepRate).
-	hold      *sweepHold
-	sweepRate float64
-	faulted   atomic.Bool
+	hold    *sweepHold
+	faulted atomic.Bool
 
 	loaded chan struct{}
 	mu     sync.Mutex
@@ -883,11 +882,10 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		materializeAfter = closed
 	}
 	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter,
-		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor), sweepRate: p.opts.RecordSweepRate}
+		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor), hold: newSweepHold(p.opts.RecordSweepRate)}
 	if opts.RecordSweepRate > 0 {
-		m.sweepRate = opts.RecordSweepRate
+		m.hold = newSweepHold(opts.RecordSweepRate)
 	}
-	m.hold = newSweepHold(m.sweepRate)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
 	}
@@ -1325,7 +1323,7 @@ func (m *Mount) FetchLog() []fetch.LogEntry {
 // Progress reports the mount's state.
 func (m *Mount) Progress() Progress {
 	pr := Progress{Digest: m.l.src.Index.Digest, Dir: m.dir, Mode: m.mode, TotalBytes: m.l.total, LocalBytes: m.l.local.Load(),
-		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds(), Profile: m.l.profileInfo, RecordSweepRate: m.sweepRate}
+		DemandChunks: m.fsStats.DemandChunks.Load(), ReadySeconds: m.ready.Seconds(), Profile: m.l.profileInfo, RecordSweepRate: m.hold.rate()}
 	select {
 	case <-m.loaded:
 		pr.Loaded = true

@@ -62,6 +62,14 @@ func newSweepHold(bytesPerSec float64) *sweepHold {
 	return &sweepHold{lim: rate.NewLimiter(rate.Limit(bytesPerSec), holdBurst)}
 }
 
+// rate is the hold's rate in bytes a second, 0 for no hold.
+func (h *sweepHold) rate() float64 {
+	if h == nil {
+		return 0
+	}
+	return float64(h.lim.Limit())
+}
+
 // wait holds a sweep read of n bytes for its turn at the rate, while the
 // hold lasts: a turn that would come after the hold's end is waited for
 // only until then. It never fails the read: a ctx that ends only ends the
