@@ -837,7 +837,20 @@ type Mount struct {
 // is bind-mounted from the node cache instead (no FUSE); without FUSE,
 // Mount loads eagerly.
 func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, error) {
-	return p.mount(ctx, src, dir, false, FilesOptions{})
+	return p.MountWith(ctx, src, dir, MountOptions{})
+}
+
+// MountOptions tune MountWith.
+type MountOptions struct {
+	// RecordSweepRate, if > 0, holds this mount's sweep as
+	// Options.RecordSweepRate does every mount's: for a mount whose
+	// recorded profile will be kept (the daemon's "recordProfile").
+	RecordSweepRate float64
+}
+
+// MountWith is Mount with opts.
+func (p *Puller) MountWith(ctx context.Context, src Source, dir string, opts MountOptions) (*Mount, error) {
+	return p.mount(ctx, src, dir, false, FilesOptions{RecordSweepRate: opts.RecordSweepRate})
 }
 
 // MountFiles makes the snapshot readable through the Mount's ReadAt, for

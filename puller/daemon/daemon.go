@@ -287,10 +287,6 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusBadRequest, fmt.Sprintf("backend %q: want fuse or gofer", req.Backend))
 		return
 	}
-	if req.RecordProfile && req.Backend != "gofer" {
-		httpError(w, http.StatusBadRequest, "recordProfile needs \"backend\": \"gofer\" (the daemon's FUSE mounts do not hold their sweep)")
-		return
-	}
 	if p := req.Profile; p != "" && p != "auto" && p != "none" {
 		if _, err := digest.Parse(p); err != nil {
 			httpError(w, http.StatusBadRequest, fmt.Sprintf("profile %q: want auto, none or a profile's manifest digest", p))
@@ -332,15 +328,18 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusInternalServerError, fmt.Sprintf("mount point: %v", err))
 		return
 	}
+	// A mount whose profile is one to keep holds its sweep (SPEC.md 16.2),
+	// through the gofer or FUSE alike.
+	var holdRate float64
+	if req.RecordProfile {
+		holdRate = puller.DefaultRecordSweepRate
+	}
 	var m *puller.Mount
 	if req.Backend == "gofer" {
 		// A sandbox manager asks for a gofer mount to restore from it
 		// next: its background load waits for the sandbox, as cryo
 		// restore's does.
-		fo := puller.FilesOptions{AwaitSandbox: puller.AwaitRestore}
-		if req.RecordProfile {
-			fo.RecordSweepRate = puller.DefaultRecordSweepRate
-		}
+		fo := puller.FilesOptions{AwaitSandbox: puller.AwaitRestore, RecordSweepRate: holdRate}
 		m, err = d.p.MountFiles(r.Context(), src, dir, fo)
 		if err == nil {
 			err = gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Index: src.Index.Digest, Socket: d.socket, Mount: id})
@@ -349,7 +348,7 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	} else {
-		m, err = d.p.Mount(r.Context(), src, dir)
+		m, err = d.p.MountWith(r.Context(), src, dir, puller.MountOptions{RecordSweepRate: holdRate})
 	}
 	if err != nil {
 		os.Remove(filepath.Join(dir, gofer.ConfigFile))

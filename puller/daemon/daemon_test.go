@@ -520,9 +520,9 @@ func TestGoferMountAwaitsTheSandbox(t *testing.T) {
 	}
 }
 
-// TestRecordProfileMount: a gofer mount asked to record a profile to keep
-// ("recordProfile") holds its sweep at the default rate and says so; one
-// not asked holds nothing; a FUSE mount cannot be asked (400).
+// TestRecordProfileMount: a gofer or FUSE mount asked to record a profile
+// to keep ("recordProfile") holds its sweep at the default rate and says
+// so; one not asked holds nothing.
 func TestRecordProfileMount(t *testing.T) {
 	td := newTestDaemon(t, Options{})
 	var m Mount
@@ -536,5 +536,15 @@ func TestRecordProfileMount(t *testing.T) {
 	if plain.RecordSweepRate != 0 {
 		t.Errorf("gofer mount not asked to record: recordSweepRate %v, want 0", plain.RecordSweepRate)
 	}
-	td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "recordProfile": true}`, http.StatusBadRequest)
+	var fuse Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "recordProfile": true}`, http.StatusCreated), &fuse)
+	json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+fuse.ID, "", http.StatusOK), &fuse)
+	if fuse.Mode != "fuse" || fuse.RecordSweepRate != puller.DefaultRecordSweepRate {
+		t.Errorf("recording FUSE mount: mode %q, recordSweepRate %v, want fuse, %v", fuse.Mode, fuse.RecordSweepRate, puller.DefaultRecordSweepRate)
+	}
+	var plainFUSE Mount
+	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`"}`, http.StatusCreated), &plainFUSE)
+	if plainFUSE.RecordSweepRate != 0 {
+		t.Errorf("FUSE mount not asked to record: recordSweepRate %v, want 0", plainFUSE.RecordSweepRate)
+	}
 }
