@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/restore"
 	"github.com/cryo-oci/cryo/transfer"
 	"github.com/spf13/cobra"
@@ -327,6 +328,11 @@ to the snapshot in its repository (the node needs push access).`,
 			}
 			vc := make(chan version, 1)
 			go func() { v, err := restore.RunscVersion(ctx, runsc); vc <- version{v, err} }()
+			// And the gofer its release, unless FUSE is asked for.
+			var goferCheck func(string) error
+			if restore.Backend(backend) != restore.BackendFUSE {
+				goferCheck = gofer.StartCheck(ctx, goferDir)
+			}
 			pf.recording = recordProf != "" || publish
 			pf.warnSweepRate(cmd, "--record-profile or --publish-profile")
 			p, err := pf.open(ctx)
@@ -359,6 +365,7 @@ to the snapshot in its repository (the node needs push access).`,
 				Progress:     func(e restore.Event) { printRestoreEvent(msg, id, e) },
 				Backend:      restore.Backend(backend),
 				GoferDir:     goferDir,
+				GoferCheck:   goferCheck,
 				GoferLog:     absPath(goferLog),
 			})
 			if err != nil {

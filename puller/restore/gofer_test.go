@@ -210,7 +210,8 @@ func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 // TestRestoreRefusesGoferOfOtherRelease gives Restore a gofer dir whose
 // checkpointgofer is of another gVisor release than runsc. Asked for the
 // gofer, Restore refuses with a *gofer.BinaryError naming both releases, having
-// mounted nothing and run no runsc restore; with the default backend
+// mounted nothing and run no runsc restore (also when the caller started
+// the check, Options.GoferCheck); with the default backend
 // (auto) it restores through FUSE instead.
 func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	e := newEnv(t)
@@ -245,6 +246,12 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 	}
 	if called, _ := os.ReadFile(calls); strings.Contains(string(called), "restore") {
 		t.Errorf("runsc restore ran: %s", called)
+	}
+	// A check the caller started early (Options.GoferCheck) is the one
+	// Restore goes by.
+	opts.GoferDir, opts.GoferCheck = "", gofer.StartCheck(ctx, goferDir)
+	if _, err := restore.Restore(ctx, p, resolve(t, ref, &fetchLog{}), opts); !errors.As(err, &ge) || !strings.Contains(err.Error(), other) {
+		t.Errorf("Restore with the caller's check of a gofer of release %s: %v, want a *gofer.BinaryError naming it", other, err)
 	}
 
 	events = nil

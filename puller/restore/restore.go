@@ -78,6 +78,11 @@ type Options struct {
 	// dir beside runsc: there it would replace gVisor's gofer for every
 	// sandbox.
 	GoferDir string
+	// GoferCheck, if set, is gofer.StartCheck's answer for GoferDir,
+	// started by the caller as early as it could (the check runs the
+	// gofer binary, tens of ms that can overlap resolving the snapshot).
+	// Nil: Restore starts the check itself.
+	GoferCheck func(runsc string) error
 	// GoferLog, if set, is a file cryo's gofer appends its log to.
 	GoferLog string
 }
@@ -258,8 +263,8 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 	}
 	// Check before mounting: a refused snapshot fetches no chunk. The
 	// gofer's release is asked for meanwhile.
-	var checkGofer func(string) error
-	if opts.Backend != BackendFUSE {
+	checkGofer := opts.GoferCheck
+	if opts.Backend != BackendFUSE && checkGofer == nil {
 		checkGofer = gofer.StartCheck(ctx, opts.GoferDir)
 	}
 	local, err := checkVersion(ctx, src, opts)
