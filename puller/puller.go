@@ -229,7 +229,9 @@ type Progress struct {
 	Profile *profile.Info `json:"profile,omitempty"`
 	// RecordSweepRate is the rate, in bytes a second, this mount holds
 	// the sandbox's sweep of pages.img to while it records its profile
-	// (Options.RecordSweepRate, FilesOptions.RecordSweepRate); 0: not held.
+	// (Options.RecordSweepRate, or the mount's own MountOptions or
+	// FilesOptions.RecordSweepRate); 0: not held, as for a materialized
+	// or eager mount, which has no sweep to hold.
 	RecordSweepRate float64 `json:"recordSweepRate,omitempty"`
 }
 
@@ -811,8 +813,9 @@ type Mount struct {
 	// faulted is set at its first page fault on pages.img.
 	rec *profile.Recorder
 	// hold, if set, holds the sandbox's sweep of pages.img while the
-	// working set is recorded (Options.RecordSweepRate,
-	// FilesOptions.RecordSweepRate).
+	// working set is recorded (Options.RecordSweepRate, or the mount's
+	// own MountOptions or FilesOptions.RecordSweepRate, which wins). Nil
+	// for a materialized or eager mount.
 	hold    *sweepHold
 	faulted atomic.Bool
 
@@ -843,8 +846,9 @@ func (p *Puller) Mount(ctx context.Context, src Source, dir string) (*Mount, err
 // MountOptions tune MountWith.
 type MountOptions struct {
 	// RecordSweepRate, if > 0, holds this mount's sweep as
-	// Options.RecordSweepRate does every mount's: for a mount whose
-	// recorded profile will be kept (the daemon's "recordProfile").
+	// Options.RecordSweepRate does every mount's (this rate wins): for a
+	// mount whose recorded profile will be kept (the daemon's
+	// "recordProfile"). A materialized or eager mount holds nothing.
 	RecordSweepRate float64
 }
 
@@ -883,7 +887,7 @@ type FilesOptions struct {
 	AwaitSandbox time.Duration
 	// RecordSweepRate, if > 0, holds this mount's sweep as
 	// Options.RecordSweepRate does every mount's: for a mount whose
-	// recorded profile will be published.
+	// recorded profile will be kept (this rate wins over the puller's).
 	RecordSweepRate float64
 }
 
@@ -895,9 +899,12 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		materializeAfter = closed
 	}
 	m := &Mount{dir: dir, loaded: make(chan struct{}), cancel: func() {}, materializeAfter: materializeAfter,
-		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor), hold: newSweepHold(p.opts.RecordSweepRate)}
+		rec: profile.NewRecorder(src.Index.Digest, p.opts.RecordFor)}
+	// The mount's own rate, if asked, over the puller's. Set on the lazy
+	// paths below only: a materialized or eager mount has no sweep to hold.
+	holdRate := p.opts.RecordSweepRate
 	if opts.RecordSweepRate > 0 {
-		m.hold = newSweepHold(opts.RecordSweepRate)
+		holdRate = opts.RecordSweepRate
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mount point %s: %w", dir, err)
@@ -947,6 +954,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		m.ready = time.Since(start)
 		return m, nil
 	}
+	m.hold = newSweepHold(holdRate)
 	// Ready needs the small files and the profile's first chunks queued,
 	// not the chunk tables of the large files: those load as reads need
 	// them, and the rest in the background (tables).

@@ -16,7 +16,7 @@ import (
 // ReadAt and answered in place alike, and never a page fault or another
 // file's read; once RecordHoldFor has passed, or for a mount that does not
 // record, nothing is held. FilesOptions.RecordSweepRate holds one mount's
-// sweep, and its Progress says so. A hold at 1 byte a second is measured by the
+// sweep, and its Progress says so; a materialized mount holds nothing. A hold at 1 byte a second is measured by the
 // budget its reads take (its limiter's tokens, give or take what a second
 // refills), not by time.
 func TestRecordingHoldsTheSweep(t *testing.T) {
@@ -126,5 +126,22 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 	// One mount of a puller that holds none (the daemon's, asked for).
 	if one := mount(Options{}, FilesOptions{RecordSweepRate: 5}); one.hold == nil || one.Progress().RecordSweepRate != 5 {
 		t.Errorf("a mount asked to hold its sweep at 5 B/s: hold %v, progress says %v", one.hold != nil, one.Progress().RecordSweepRate)
+	}
+	// A snapshot the node has materialized is read from there: there is
+	// no sweep to hold, and its Progress says none is.
+	p := newPuller(t, Options{})
+	first, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitLoaded(t, first)
+	first.Unmount()
+	again, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{RecordSweepRate: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Unmount()
+	if pr := again.Progress(); pr.Mode != "materialized" || again.hold != nil || pr.RecordSweepRate != 0 {
+		t.Errorf("a materialized mount asked to hold its sweep: mode %q, hold %v, progress says %v; want materialized, none, 0", pr.Mode, again.hold != nil, pr.RecordSweepRate)
 	}
 }

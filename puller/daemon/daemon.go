@@ -10,6 +10,9 @@
 //	                             manifest digest: what to fetch first
 //	                             (puller/profile; default: the puller's
 //	                             --profile)
+//	                             "recordProfile": true: the profile this
+//	                             mount records is one to keep; its sweep
+//	                             is held while it records (SPEC.md 16.2)
 //	GET    /v1/mounts            -> [Mount]
 //	GET    /v1/mounts/{id}       -> Mount
 //	POST   /v1/mounts/{id}/wait  -> Mount, once every chunk is local

@@ -522,7 +522,8 @@ func TestGoferMountAwaitsTheSandbox(t *testing.T) {
 
 // TestRecordProfileMount: a gofer or FUSE mount asked to record a profile
 // to keep ("recordProfile") holds its sweep at the default rate and says
-// so; one not asked holds nothing.
+// so; one not asked holds nothing. (A materialized mount holds nothing
+// either: puller's TestRecordingHoldsTheSweep.)
 func TestRecordProfileMount(t *testing.T) {
 	td := newTestDaemon(t, Options{})
 	var m Mount
@@ -536,15 +537,21 @@ func TestRecordProfileMount(t *testing.T) {
 	if plain.RecordSweepRate != 0 {
 		t.Errorf("gofer mount not asked to record: recordSweepRate %v, want 0", plain.RecordSweepRate)
 	}
-	var fuse Mount
-	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`", "recordProfile": true}`, http.StatusCreated), &fuse)
-	json.Unmarshal(td.call(t, "GET", "/v1/mounts/"+fuse.ID, "", http.StatusOK), &fuse)
-	if fuse.Mode != "fuse" || fuse.RecordSweepRate != puller.DefaultRecordSweepRate {
-		t.Errorf("recording FUSE mount: mode %q, recordSweepRate %v, want fuse, %v", fuse.Mode, fuse.RecordSweepRate, puller.DefaultRecordSweepRate)
-	}
-	var plainFUSE Mount
-	json.Unmarshal(td.call(t, "POST", "/v1/mounts", `{"ref": "`+td.ref+`"}`, http.StatusCreated), &plainFUSE)
-	if plainFUSE.RecordSweepRate != 0 {
-		t.Errorf("FUSE mount not asked to record: recordSweepRate %v, want 0", plainFUSE.RecordSweepRate)
+	// Each FUSE mount on a node of its own: a node that has loaded the
+	// snapshot once serves it materialized, with no sweep to hold.
+	for _, c := range []struct {
+		body string
+		want float64
+	}{
+		{`{"ref": "REF", "recordProfile": true}`, puller.DefaultRecordSweepRate},
+		{`{"ref": "REF"}`, 0},
+	} {
+		node := newTestDaemon(t, Options{})
+		var fm Mount
+		json.Unmarshal(node.call(t, "POST", "/v1/mounts", strings.ReplaceAll(c.body, "REF", node.ref), http.StatusCreated), &fm)
+		json.Unmarshal(node.call(t, "GET", "/v1/mounts/"+fm.ID, "", http.StatusOK), &fm)
+		if fm.Mode != "fuse" || fm.RecordSweepRate != c.want {
+			t.Errorf("FUSE mount %s: mode %q, recordSweepRate %v, want fuse, %v", c.body, fm.Mode, fm.RecordSweepRate, c.want)
+		}
 	}
 }

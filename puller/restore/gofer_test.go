@@ -248,10 +248,18 @@ func TestRestoreRefusesGoferOfOtherRelease(t *testing.T) {
 		t.Errorf("runsc restore ran: %s", called)
 	}
 	// A check the caller started early (Options.GoferCheck) is the one
-	// Restore goes by.
+	// Restore goes by. (The dir is left out only to tell the two checks
+	// apart: Restore's own of no dir would not name the other release.)
+	events = nil
 	opts.GoferDir, opts.GoferCheck = "", gofer.StartCheck(ctx, goferDir)
 	if _, err := restore.Restore(ctx, p, resolve(t, ref, &fetchLog{}), opts); !errors.As(err, &ge) || !strings.Contains(err.Error(), other) {
 		t.Errorf("Restore with the caller's check of a gofer of release %s: %v, want a *gofer.BinaryError naming it", other, err)
+	}
+	if len(events) != 0 {
+		t.Errorf("restore refused by the caller's check reported steps %v", steps(events))
+	}
+	if called, _ := os.ReadFile(calls); strings.Contains(string(called), "restore") {
+		t.Errorf("runsc restore ran: %s", called)
 	}
 
 	events = nil

@@ -78,10 +78,10 @@ type Options struct {
 	// dir beside runsc: there it would replace gVisor's gofer for every
 	// sandbox.
 	GoferDir string
-	// GoferCheck, if set, is gofer.StartCheck's answer for GoferDir,
+	// GoferCheck, if set, must be gofer.StartCheck's answer for GoferDir,
 	// started by the caller as early as it could (the check runs the
 	// gofer binary, tens of ms that can overlap resolving the snapshot).
-	// Nil: Restore starts the check itself.
+	// Nil: Restore starts the check itself. Unused with BackendFUSE.
 	GoferCheck func(runsc string) error
 	// GoferLog, if set, is a file cryo's gofer appends its log to.
 	GoferLog string
