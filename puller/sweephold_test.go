@@ -16,19 +16,18 @@ import (
 // ReadAt and answered in place alike, and never a page fault or another
 // file's read; once RecordHoldFor has passed, or for a mount that does not
 // record, nothing is held. FilesOptions.RecordSweepRate holds one mount's
-// sweep, and its Progress says so; a materialized mount holds nothing. A hold at 1 byte a second is measured by the
-// budget its reads take (its limiter's tokens, give or take what a second
-// refills), not by time.
+// sweep, and its Progress says so; a materialized mount holds nothing. A
+// hold at 1 byte a second is measured by the budget its reads take (its
+// limiter's tokens, give or take what a second refills), not by time.
 func TestRecordingHoldsTheSweep(t *testing.T) {
 	r := startReg(t)
 	_, s := pushV2(t, r, "app", synth.Random, 8<<20, 7)
 	ctx := context.Background()
-	mount := func(opts Options, fo ...FilesOptions) *Mount {
+	// mount mounts s on a new node; mountRate is the mount's own hold
+	// (FilesOptions.RecordSweepRate).
+	mount := func(opts Options, mountRate float64) *Mount {
 		p := newPuller(t, opts)
-		f := FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond}
-		if len(fo) > 0 {
-			f.RecordSweepRate = fo[0].RecordSweepRate
-		}
+		f := FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond, RecordSweepRate: mountRate}
 		m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), f)
 		if err != nil {
 			t.Fatal(err)
@@ -51,7 +50,7 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 		}
 	}
 
-	m := mount(Options{RecordSweepRate: 1})
+	m := mount(Options{RecordSweepRate: 1}, 0)
 	near := func(got, want float64) bool { return got > want-64 && got < want+64 }
 	if got := taken(m, readAt(m, format.PagesFile, fetch.Read)); !near(got, 4096) {
 		t.Errorf("a sweep read of 4096 bytes took %.0f of the hold's budget", got)
@@ -120,11 +119,11 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 		t.Errorf("a sweep read after RecordHoldFor took %.0f of the hold's budget, want none", got)
 	}
 
-	if plain := mount(Options{}); plain.hold != nil || plain.Progress().RecordSweepRate != 0 {
+	if plain := mount(Options{}, 0); plain.hold != nil || plain.Progress().RecordSweepRate != 0 {
 		t.Error("a mount that does not record holds its sweep")
 	}
 	// One mount of a puller that holds none (the daemon's, asked for).
-	if one := mount(Options{}, FilesOptions{RecordSweepRate: 5}); one.hold == nil || one.Progress().RecordSweepRate != 5 {
+	if one := mount(Options{}, 5); one.hold == nil || one.Progress().RecordSweepRate != 5 {
 		t.Errorf("a mount asked to hold its sweep at 5 B/s: hold %v, progress says %v", one.hold != nil, one.Progress().RecordSweepRate)
 	}
 	// A snapshot the node has materialized is read from there: there is
