@@ -30,8 +30,8 @@ var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": 
 // page fault on a page whose sweep read has started waits for that read
 // (gVisor issues no priority read for it): with 48 in flight on a 100
 // Mbit/s link, such a fault waited seconds. The bytes land in the
-// sandbox's memory file, mapped by the stateipc server: the gofer holds
-// no buffer of its own.
+// sandbox's memory file, written with pwrite from a buffer per read in
+// flight (destFile), or through the stateipc server's mapping of it.
 const (
 	maxIOBytes  = 1 << 20
 	maxParallel = 16
@@ -53,6 +53,10 @@ type server struct {
 	reads, faults, served, written atomic.Int64
 	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
 	noPopulate atomic.Bool
+	// bufs are the buffers of reads written into destFiles;
+	// hugeOnlyByAdvice is shmemHugeOnlyByAdvice, asked once.
+	bufs             *bufPool
+	hugeOnlyByAdvice bool
 }
 
 // Destroy implements stateipc.AsyncFileServerImpl.Destroy.
@@ -107,11 +111,10 @@ func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
 }
 
 // reader is a stateio.AsyncReader of one file of the snapshot. Each read
-// runs in a goroutine of its own, straight into the destination mapping
-// (the sandbox's memory file), and completes only when every byte asked
-// for (clipped at the end of the file) is there and verified.
+// runs in a goroutine of its own, into its destination (the sandbox's
+// memory file, written by fd: destFile), and completes only when every
+// byte asked for (clipped at the end of the file) is there and verified.
 type reader struct {
-	stateio.NoRegisterClientFD
 	s        *server
 	path     string
 	size     int64
@@ -121,6 +124,12 @@ type reader struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	done   chan stateio.Completion
+
+	// dests are the registered destinations, closed (and closed set)
+	// by Close.
+	destMu sync.Mutex
+	dests  []*destFile
+	closed bool
 }
 
 var _ stateio.AsyncReader = (*reader)(nil)
@@ -136,24 +145,24 @@ func (r *reader) MaxRanges() int { return maxIOBytes / unix.Getpagesize() }
 func (r *reader) MaxParallel() int { return maxParallel }
 
 // AddRead implements stateio.AsyncReader.AddRead.
-func (r *reader) AddRead(id int, off int64, _ stateio.DestinationFile, _ memmap.FileRange, dst []byte) {
-	r.start(id, off, [][]byte{dst})
+func (r *reader) AddRead(id int, off int64, df stateio.DestinationFile, fr memmap.FileRange, dst []byte) {
+	r.start(id, off, df, []memmap.FileRange{fr}, [][]byte{dst})
 }
 
 // AddReadv implements stateio.AsyncReader.AddReadv.
-func (r *reader) AddReadv(id int, off int64, total uint64, _ stateio.DestinationFile, _ []memmap.FileRange, iovecs []unix.Iovec) {
+func (r *reader) AddReadv(id int, off int64, total uint64, df stateio.DestinationFile, frs []memmap.FileRange, iovecs []unix.Iovec) {
 	dsts := make([][]byte, len(iovecs))
 	for i, iov := range iovecs {
 		dsts[i] = stateio.SliceFromIovec(iov)
 	}
-	r.start(id, off, dsts)
+	r.start(id, off, df, frs, dsts)
 }
 
-// start reads the file at off into dsts, one after the other, and sends
-// the completion. Reads are classified here, in the order the sentry
+// start reads the file at off into dsts (the ranges frs of df, as
+// mapped), one after the other, and sends the completion. Reads are classified here, in the order the sentry
 // submits them: the sweep's come in ascending order. Every read of
 // checkpoint.img and pages_meta.img is one the whole restore waits on.
-func (r *reader) start(id int, off int64, dsts [][]byte) {
+func (r *reader) start(id int, off int64, df stateio.DestinationFile, frs []memmap.FileRange, dsts [][]byte) {
 	prio := fetch.Fault
 	if r.classify != nil {
 		total := int64(0)
@@ -165,11 +174,11 @@ func (r *reader) start(id int, off int64, dsts [][]byte) {
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
-		r.done <- r.read(id, off, dsts, prio)
+		r.done <- r.read(id, off, df, frs, dsts, prio)
 	}()
 }
 
-func (r *reader) read(id int, off int64, dsts [][]byte, prio fetch.Priority) stateio.Completion {
+func (r *reader) read(id int, off int64, df stateio.DestinationFile, frs []memmap.FileRange, dsts [][]byte, prio fetch.Priority) stateio.Completion {
 	r.s.reads.Add(1)
 	if prio == fetch.Fault {
 		r.s.faults.Add(1)
@@ -194,8 +203,14 @@ func (r *reader) read(id int, off int64, dsts [][]byte, prio fetch.Priority) sta
 		}
 	}
 	if n > 0 {
-		r.s.populate(want)
-		if err := r.s.src.ReadAt(r.ctx, r.path, want, off, prio); err != nil {
+		var err error
+		if d, ok := df.(*destFile); ok && len(frs) == len(dsts) && !d.wantsHuge(frs) {
+			err = r.readThrough(d, frs, want, n, off, prio)
+		} else {
+			r.s.populate(want)
+			err = r.s.src.ReadAt(r.ctx, r.path, want, off, prio)
+		}
+		if err != nil {
 			if !errors.Is(err, context.Canceled) {
 				r.s.log.Error("read failed: the sandbox will stop", "path", r.path, "off", off, "len", n, "err", err)
 			}
@@ -225,6 +240,7 @@ func (r *reader) Close() error {
 	}()
 	r.wg.Wait()
 	close(r.done)
+	r.closeDests()
 	return nil
 }
 
