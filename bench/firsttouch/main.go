@@ -6,7 +6,14 @@
 // balloon free page reporting), pages it no longer backs cost far more
 // than pages it does, and restore times swing with that.
 //
+// With -fill MiB it instead fills a fresh memfd of that size from a
+// page-cached file, 1 MiB at a time, in the ways a checkpoint gofer can
+// write a read into the sandbox's memory file: pread into a mapping of
+// it, the same after MADV_POPULATE_WRITE, and pread into a buffer then
+// pwrite by fd (what cryo's gofer does).
+//
 //	go run ./bench/firsttouch -gib 16
+//	go run ./bench/firsttouch -fill 256
 package main
 
 import (
@@ -22,7 +29,14 @@ import (
 func main() {
 	gib := flag.Int("gib", 8, "GiB of shared memory to touch")
 	rounds := flag.Int("rounds", 2, "times to map and touch it, one right after the other")
+	fill := flag.Int("fill", 0, "MiB: compare ways of filling a memfd from a file instead (see the package doc)")
 	flag.Parse()
+	if *fill > 0 {
+		if err := compareFills(*fill, *rounds); err != nil {
+			log.Fatal(err)
+		}
+		return
+	}
 	for r := range *rounds {
 		times, err := touch(*gib)
 		if err != nil {
@@ -63,4 +77,85 @@ func touch(gib int) ([]time.Duration, error) {
 		times = append(times, time.Since(start))
 	}
 	return times, nil
+}
+
+// compareFills fills a fresh memfd of mib MiB from a page-cached file of
+// the same size, each way rounds times, and prints the time of each.
+func compareFills(mib, rounds int) error {
+	const piece = 1 << 20
+	size := mib << 20
+	src, err := os.CreateTemp("", "firsttouch-src")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(src.Name())
+	defer src.Close()
+	buf := make([]byte, piece)
+	for i := range buf {
+		buf[i] = byte(i*131 + 7)
+	}
+	for range mib {
+		if _, err := src.Write(buf); err != nil {
+			return fmt.Errorf("write the source file: %w", err)
+		}
+	}
+	fd := int(src.Fd())
+	ways := []struct {
+		name string
+		fill func(dst int, m []byte, off int) error
+	}{
+		{"pread into the mapping", func(_ int, m []byte, off int) error {
+			_, err := unix.Pread(fd, m[off:off+piece], int64(off))
+			return err
+		}},
+		{"MADV_POPULATE_WRITE, pread into the mapping", func(_ int, m []byte, off int) error {
+			if err := unix.Madvise(m[off:off+piece], unix.MADV_POPULATE_WRITE); err != nil {
+				return fmt.Errorf("madvise: %w", err)
+			}
+			_, err := unix.Pread(fd, m[off:off+piece], int64(off))
+			return err
+		}},
+		{"pread into a buffer, pwrite by fd", func(dst int, _ []byte, off int) error {
+			if _, err := unix.Pread(fd, buf, int64(off)); err != nil {
+				return err
+			}
+			_, err := unix.Pwrite(dst, buf, int64(off))
+			return err
+		}},
+	}
+	for r := range rounds {
+		for _, w := range ways {
+			took, err := fillOnce(size, piece, w.fill)
+			if err != nil {
+				return fmt.Errorf("%s: %w", w.name, err)
+			}
+			fmt.Printf("round %d, %s: %.3f s for %d MiB\n", r, w.name, took.Seconds(), mib)
+		}
+	}
+	return nil
+}
+
+// fillOnce maps a fresh memfd of size bytes and fills it piece by piece
+// with fill, returning the time that took.
+func fillOnce(size, piece int, fill func(dst int, m []byte, off int) error) (time.Duration, error) {
+	dst, err := unix.MemfdCreate("firsttouch-dst", unix.MFD_CLOEXEC)
+	if err != nil {
+		return 0, fmt.Errorf("memfd_create: %w", err)
+	}
+	defer unix.Close(dst)
+	if err := unix.Ftruncate(dst, int64(size)); err != nil {
+		return 0, err
+	}
+	m, err := unix.Mmap(dst, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return 0, err
+	}
+	defer unix.Munmap(m)
+	start := time.Now()
+	for off := 0; off < size; off += piece {
+		if err := fill(dst, m, off); err != nil {
+			return 0, err
+		}
+	}
+	return time.Since(start), nil
 }
