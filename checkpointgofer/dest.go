@@ -33,6 +33,20 @@ type destFile struct {
 	huge []memmap.FileRange
 }
 
+// covers reports whether frs are the ranges of d that dsts map, one each,
+// as the stateipc server hands them over.
+func (d *destFile) covers(frs []memmap.FileRange, dsts [][]byte) bool {
+	if len(frs) != len(dsts) {
+		return false
+	}
+	for i, fr := range frs {
+		if fr.End < fr.Start || fr.Length() != uint64(len(dsts[i])) {
+			return false
+		}
+	}
+	return true
+}
+
 // wantsHuge reports whether any of frs overlaps a range of d that must be
 // written through the mapping.
 func (d *destFile) wantsHuge(frs []memmap.FileRange) bool {

@@ -204,7 +204,7 @@ func (r *reader) read(id int, off int64, df stateio.DestinationFile, frs []memma
 	}
 	if n > 0 {
 		var err error
-		if d, ok := df.(*destFile); ok && len(frs) == len(dsts) && !d.wantsHuge(frs) {
+		if d, ok := df.(*destFile); ok && d.covers(frs, dsts) && !d.wantsHuge(frs) {
 			err = r.readThrough(d, frs, want, n, off, prio)
 		} else {
 			r.s.populate(want)
