@@ -1,10 +1,10 @@
 package main
 
 import (
-	"bytes"
+	"context"
 	"errors"
 	"fmt"
-	"os"
+	"sync/atomic"
 
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"golang.org/x/sys/unix"
@@ -19,22 +19,27 @@ import (
 // file: writing through a mapping fills in the gofer's page tables for
 // every page of the sandbox's memory, which the gofer never touches again,
 // and on hosts where building page tables is dear (this project's CI
-// machines are VMs that shadow them) that cost several times the copy
-// itself: 256 MiB of page cache read into a fresh memfd took 0.47 s
-// through a prefaulted mapping and 0.09 s with pread into a buffer and
-// pwrite (docs/benchmarks.md). The bytes and the file are the same either
-// way; only whose page tables learn of them differs.
+// machines are VMs that shadow them) that costs several times the copy
+// itself: 256 MiB of page cache read into a fresh memfd took 0.61 s
+// through a prefaulted mapping and 0.08 s with pread into a buffer and
+// pwrite (docs/benchmarks.md, `go run ./bench/firsttouch -fill 256`). The
+// bytes and the file are the same either way; only whose page tables
+// learn of them differs.
 type destFile struct {
 	fd int
-	// huge are the ranges the sentry asked huge pages for, on a host that
-	// gives shared memory huge pages only where a mapping asks for them
-	// (shmem_enabled "advise"): reads into them go through the mapping,
-	// which the stateipc server advised so, as before.
-	huge []memmap.FileRange
+	// advised are the ranges the sentry gave a huge-page setting
+	// (MADV_HUGEPAGE or MADV_NOHUGEPAGE, which the stateipc server applied
+	// to its mapping; gVisor sends them only where the host's
+	// shmem_enabled makes them matter). The kernel heeds them only for
+	// pages allocated through a mapping, so reads into them go through it.
+	advised []memmap.FileRange
+	// failed is set once a pwrite into the file failed: its reads go
+	// through the mapping from then on.
+	failed atomic.Bool
 }
 
-// covers reports whether frs are the ranges of d that dsts map, one each,
-// as the stateipc server hands them over.
+// covers reports whether frs are the ranges that dsts map, one for one
+// and of the same lengths, as the stateipc server hands them over.
 func (d *destFile) covers(frs []memmap.FileRange, dsts [][]byte) bool {
 	if len(frs) != len(dsts) {
 		return false
@@ -47,17 +52,20 @@ func (d *destFile) covers(frs []memmap.FileRange, dsts [][]byte) bool {
 	return true
 }
 
-// wantsHuge reports whether any of frs overlaps a range of d that must be
-// written through the mapping.
-func (d *destFile) wantsHuge(frs []memmap.FileRange) bool {
-	for _, h := range d.huge {
+// takesPwrite reports whether a read into frs of d is written by fd:
+// unless a pwrite into d failed before or frs overlap an advised range.
+func (d *destFile) takesPwrite(frs []memmap.FileRange) bool {
+	if d.failed.Load() {
+		return false
+	}
+	for _, a := range d.advised {
 		for _, fr := range frs {
-			if fr.Start < h.End && h.Start < fr.End {
-				return true
+			if fr.Start < a.End && a.Start < fr.End {
+				return false
 			}
 		}
 	}
-	return false
+	return true
 }
 
 // NeedRegisterDestinationFD implements
@@ -67,20 +75,23 @@ func (r *reader) NeedRegisterDestinationFD() bool { return true }
 
 // RegisterDestinationFD implements stateio.AsyncReader.RegisterDestinationFD.
 // fd is valid only during the call: the gofer keeps a duplicate until
-// Close. If it cannot, the file's reads go through the mapping.
+// Close. If it cannot, or the fd is not open for writing at any offset
+// (read-only, or O_APPEND, where pwrite writes at the end), the file's
+// reads go through the mapping.
 func (r *reader) RegisterDestinationFD(fd int32, _ uint64, settings []stateio.ClientFileRangeSetting) (stateio.DestinationFile, error) {
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil || fl&unix.O_ACCMODE == unix.O_RDONLY || fl&unix.O_APPEND != 0 {
+		r.s.log.Info("read destination not written by fd: its reads go through the mapping", "path", r.path, "flags", fl, "err", err)
+		return nil, nil
+	}
 	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		r.s.log.Info("read destination not kept: its reads go through the mapping", "path", r.path, "err", err)
 		return nil, nil
 	}
 	d := &destFile{fd: dup}
-	if r.s.hugeOnlyByAdvice {
-		for _, st := range settings {
-			if st.Property == stateio.PropertyHugepage {
-				d.huge = append(d.huge, st.FileRange)
-			}
-		}
+	for _, st := range settings {
+		d.advised = append(d.advised, st.FileRange)
 	}
 	r.destMu.Lock()
 	defer r.destMu.Unlock()
@@ -107,9 +118,12 @@ func (r *reader) closeDests() {
 // readThrough reads n bytes of the file at off into a buffer and writes
 // them into d at frs; maps are the same ranges as the server mapped them
 // (clipped at the end of the file, n bytes in all). If a write fails, the
-// rest is copied through maps.
+// rest is copied through maps, and so are d's later reads.
 func (r *reader) readThrough(d *destFile, frs []memmap.FileRange, maps [][]byte, n int, off int64, prio fetch.Priority) error {
-	buf := r.s.bufs.get()
+	buf, err := r.s.bufs.get(r.ctx)
+	if err != nil {
+		return err
+	}
 	defer r.s.bufs.put(buf)
 	b := buf[:n]
 	if err := r.s.src.ReadAt(r.ctx, r.path, [][]byte{b}, off, prio); err != nil {
@@ -124,7 +138,9 @@ func (r *reader) readThrough(d *destFile, frs []memmap.FileRange, maps [][]byte,
 			j++
 		}
 		if err := pwriteFull(d.fd, b[:length], int64(start)); err != nil {
-			r.s.log.Warn("writing into the sandbox's memory file failed: copying through its mapping", "path", r.path, "off", off, "err", err)
+			if !d.failed.Swap(true) {
+				r.s.log.Warn("writing into the sandbox's memory file by fd failed: its reads go through the mapping", "path", r.path, "off", off, "err", err)
+			}
 			for _, m := range maps[i:] {
 				b = b[copy(m, b):]
 			}
@@ -153,42 +169,46 @@ func pwriteFull(fd int, b []byte, off int64) error {
 	return nil
 }
 
-// bufPool holds the buffers of reads written through destFiles: at most
-// one per read in flight (the sentry keeps at most maxParallel in flight
-// per file), and at most maxParallel kept between reads, so the memory
-// the gofer holds (charged to the sandbox's cgroup) is bounded.
-type bufPool struct{ free chan []byte }
+// bufPool holds the buffers of reads written into destFiles. The sentry
+// keeps at most maxParallel reads in flight per file (pages.img), fewer
+// for checkpoint.img and pages_meta.img; the pool lends at most
+// maxBuffers at once, a read waiting for one past that, and keeps at most
+// maxBuffers between reads, so the gofer's memory (charged to the
+// sandbox's cgroup) is bounded. A read holds one buffer and never asks
+// for a second, so the wait cannot deadlock.
+type bufPool struct {
+	free  chan []byte
+	slots chan struct{}
+}
 
-func newBufPool() *bufPool { return &bufPool{free: make(chan []byte, maxParallel)} }
+// maxBuffers bounds the buffers a gofer lends at once: 32 MiB.
+const maxBuffers = 2 * maxParallel
 
-func (p *bufPool) get() []byte {
-	if p == nil {
-		return make([]byte, maxIOBytes)
+func newBufPool() *bufPool {
+	return &bufPool{free: make(chan []byte, maxBuffers), slots: make(chan struct{}, maxBuffers)}
+}
+
+// get lends a buffer of maxIOBytes, waiting for one while maxBuffers are
+// lent, until ctx ends.
+func (p *bufPool) get(ctx context.Context) ([]byte, error) {
+	select {
+	case p.slots <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
 	}
 	select {
 	case b := <-p.free:
-		return b
+		return b, nil
 	default:
-		return make([]byte, maxIOBytes)
+		return make([]byte, maxIOBytes), nil
 	}
 }
 
+// put returns a buffer lent by get.
 func (p *bufPool) put(b []byte) {
-	if p == nil {
-		return
-	}
 	select {
 	case p.free <- b:
 	default:
 	}
-}
-
-// shmemHugeOnlyByAdvice reports whether this host gives shared memory
-// huge pages only to mappings advised so (the bracketed word of
-// /sys/kernel/mm/transparent_hugepage/shmem_enabled is "advise"). With
-// "never" or "deny" there are none; with "always", "within_size" or
-// "force" pwrite gets them too.
-func shmemHugeOnlyByAdvice() bool {
-	b, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-	return err == nil && bytes.Contains(b, []byte("[advise]"))
+	<-p.slots
 }

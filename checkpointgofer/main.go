@@ -154,7 +154,7 @@ func run(ctx context.Context, args []string) error {
 		log.Error("release check", "err", err)
 		return err
 	}
-	impl := &server{ctx: ctx, log: log, bufs: newBufPool(), hugeOnlyByAdvice: shmemHugeOnlyByAdvice()}
+	impl := &server{ctx: ctx, log: log, bufs: newBufPool()}
 	switch {
 	case f.fsCheckpointReads || f.fsCheckpointWrites:
 		err := fmt.Errorf("cryo's checkpoint gofer serves checkpoints and restores, not filesystem checkpoints (%q)", args)

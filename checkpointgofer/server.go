@@ -53,10 +53,8 @@ type server struct {
 	reads, faults, served, written atomic.Int64
 	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
 	noPopulate atomic.Bool
-	// bufs are the buffers of reads written into destFiles;
-	// hugeOnlyByAdvice is shmemHugeOnlyByAdvice, asked once.
-	bufs             *bufPool
-	hugeOnlyByAdvice bool
+	// bufs are the buffers of reads written into destFiles.
+	bufs *bufPool
 }
 
 // Destroy implements stateipc.AsyncFileServerImpl.Destroy.
@@ -112,8 +110,9 @@ func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
 
 // reader is a stateio.AsyncReader of one file of the snapshot. Each read
 // runs in a goroutine of its own, into its destination (the sandbox's
-// memory file, written by fd: destFile), and completes only when every
-// byte asked for (clipped at the end of the file) is there and verified.
+// memory file: written by fd where it can be, destFile, else through the
+// stateipc server's mapping), and completes only when every byte asked
+// for (clipped at the end of the file) is there and verified.
 type reader struct {
 	s        *server
 	path     string
@@ -204,7 +203,7 @@ func (r *reader) read(id int, off int64, df stateio.DestinationFile, frs []memma
 	}
 	if n > 0 {
 		var err error
-		if d, ok := df.(*destFile); ok && d.covers(frs, dsts) && !d.wantsHuge(frs) {
+		if d, ok := df.(*destFile); ok && d.covers(frs, dsts) && d.takesPwrite(frs) {
 			err = r.readThrough(d, frs, want, n, off, prio)
 		} else {
 			r.s.populate(want)
