@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -169,10 +170,11 @@ func TestGoferRestoreFailsOverCorruptChunk(t *testing.T) {
 	}
 }
 
-// TestGoferRestoreSurvivesRegistryRestart kills the registry as soon as
-// the gofer image dir is ready (before runsc reads any page) and starts
-// it again a second later: the sandbox's reads wait instead of failing,
-// and the app goes on with its memory hash unchanged.
+// TestGoferRestoreSurvivesRegistryRestart kills the registry in the middle
+// of the load (as the third fetch after the gofer image dir is ready
+// starts, with fetches done before it and fetches left after it) and
+// starts it again a second later: the sandbox's reads wait instead of
+// failing, and the app goes on with its memory hash unchanged.
 func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 	e := newEnv(t)
 	goferDir := gvisortest.GoferDir(t)
@@ -184,11 +186,11 @@ func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 	opts := goferOptions(e, app, goferDir, &events)
 	opts.Stdout, opts.Stderr = containerOutput(t, app)
 	restarted := make(chan struct{})
-	fetchedBefore := 0
-	opts.Progress = func(ev restore.Event) {
-		events = append(events, ev)
-		if ev.Step == restore.Ready {
-			fetchedBefore = len(log.digests())
+	var ready atomic.Int64 // fetches before Ready, plus one once it came
+	var killedAt atomic.Int64
+	log.mu.Lock()
+	log.onFetch = func(n int) {
+		if r := ready.Load(); r > 0 && int64(n) == r-1+3 && killedAt.CompareAndSwap(0, int64(n)) {
 			e.reg.Stop()
 			time.AfterFunc(time.Second, func() {
 				defer close(restarted)
@@ -196,15 +198,25 @@ func TestGoferRestoreSurvivesRegistryRestart(t *testing.T) {
 			})
 		}
 	}
+	log.mu.Unlock()
+	opts.Progress = func(ev restore.Event) {
+		events = append(events, ev)
+		if ev.Step == restore.Ready {
+			ready.Store(int64(len(log.digests())) + 1)
+		}
+	}
 	res := e.restoreApp(t, p, src, opts, app, last)
+	if killedAt.Load() == 0 {
+		t.Fatalf("fewer than 3 fetches after the image dir was ready (%d in all, %d before): the registry was never killed", len(log.digests()), ready.Load()-1)
+	}
 	<-restarted
 	if res.Mode != "gofer" {
 		t.Errorf("mode %q, want gofer", res.Mode)
 	}
-	if len(log.digests()) <= fetchedBefore {
-		t.Error("nothing fetched after the registry was killed: the test did not test the outage")
+	if n := int64(len(log.digests())); n <= killedAt.Load() {
+		t.Errorf("nothing fetched after the registry was killed at fetch %d: the load did not span the outage", killedAt.Load())
 	}
-	t.Logf("restored %v, pages loaded %v after a registry restart", res.Restored, res.PagesLoaded)
+	t.Logf("registry killed at fetch %d (%d before the image dir was ready, %d in all); restored %v, pages loaded %v", killedAt.Load(), ready.Load()-1, len(log.digests()), res.Restored, res.PagesLoaded)
 }
 
 // TestRestoreRefusesGoferOfOtherRelease gives Restore a gofer dir whose

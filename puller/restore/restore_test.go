@@ -99,6 +99,9 @@ func resolve(t *testing.T, ref string, log *fetchLog) puller.Source {
 type fetchLog struct {
 	mu      sync.Mutex
 	fetched []digest.Digest
+	// onFetch, if set, is called (outside mu) with the count of fetches
+	// so far as each fetch starts, before it reaches the registry.
+	onFetch func(n int)
 }
 
 func (l *fetchLog) digests() []digest.Digest {
@@ -115,7 +118,11 @@ type loggingFetcher struct {
 func (f loggingFetcher) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
 	f.log.mu.Lock()
 	f.log.fetched = append(f.log.fetched, desc.Digest)
+	n, hook := len(f.log.fetched), f.log.onFetch
 	f.log.mu.Unlock()
+	if hook != nil {
+		hook(n)
+	}
 	return f.Fetcher.Fetch(ctx, desc)
 }
 
