@@ -45,7 +45,7 @@ func (d *destFile) covers(frs []memmap.FileRange, dsts [][]byte) bool {
 		return false
 	}
 	for i, fr := range frs {
-		if fr.End < fr.Start || fr.Length() != uint64(len(dsts[i])) {
+		if fr.Length() != uint64(len(dsts[i])) {
 			return false
 		}
 	}

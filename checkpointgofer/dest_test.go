@@ -182,9 +182,9 @@ func TestReadsWriteIntoTheFileByFD(t *testing.T) {
 
 // TestFailedWriteGoesThroughTheMapping: a pwrite into the destination that
 // fails (here: the memfd sealed against writes after it was registered)
-// writes the read through the mapping instead, whole, and so do the
-// destination's later reads; a destination open read-only or O_APPEND is
-// never written by fd.
+// writes the read through the mapping instead, whole, and marks the
+// destination so that its later reads go there too; a destination open
+// read-only or O_APPEND is never written by fd.
 func TestFailedWriteGoesThroughTheMapping(t *testing.T) {
 	page := unix.Getpagesize()
 	data := pattern(8 * page)

@@ -158,9 +158,10 @@ func (r *reader) AddReadv(id int, off int64, total uint64, df stateio.Destinatio
 }
 
 // start reads the file at off into dsts (the ranges frs of df, as
-// mapped), one after the other, and sends the completion. Reads are classified here, in the order the sentry
-// submits them: the sweep's come in ascending order. Every read of
-// checkpoint.img and pages_meta.img is one the whole restore waits on.
+// mapped), one after the other, and sends the completion. Reads are
+// classified here, in the order the sentry submits them: the sweep's come
+// in ascending order. Every read of checkpoint.img and pages_meta.img is
+// one the whole restore waits on.
 func (r *reader) start(id int, off int64, df stateio.DestinationFile, frs []memmap.FileRange, dsts [][]byte) {
 	prio := fetch.Fault
 	if r.classify != nil {
