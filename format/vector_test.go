@@ -153,6 +153,84 @@ func TestJSONAsWritten(t *testing.T) {
 	}
 }
 
+// TestJSONAsWrittenV2 holds, byte for byte, the JSON cryo writes for the
+// test vector in format v2 with its defaults (SPEC.md sections 8, 11 and
+// 15): the index, pages.img's part manifest and the JSON of its chunk
+// table, in testdata/vector-v2-*.json. No chunk compresses, so the table's
+// JSON and the packs do not depend on the zstd encoder; the table is
+// stored as a zstd frame of that JSON, whose digest the manifest names,
+// so the manifest's and the index's bytes do.
+func TestJSONAsWrittenV2(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	writeVectorDir(t, dir)
+	store := memory.New()
+	desc, _, err := Pack(ctx, dir, store, PackOptions{Format: V2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap, err := LoadSnapshot(ctx, store, desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range snap.Files {
+		for p := range snap.Files[i].Parts {
+			pt, err := LoadPart(ctx, store, &snap.Files[i], p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, c := range pt.Table.Chunks {
+				if c.Encoding == EncodingZstd {
+					t.Fatalf("the vector must not depend on zstd's output, but %s has a zstd chunk", snap.Files[i].Path)
+				}
+			}
+		}
+	}
+	pages := snap.File(PagesFile)
+	pt, err := LoadPart(ctx, store, pages, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pt.Manifest.Config.MediaType != MediaTypeChunkTableV2Zstd {
+		t.Fatalf("table stored as %q", pt.Manifest.Config.MediaType)
+	}
+	stored, err := content.FetchAll(ctx, store, pt.Manifest.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	table, err := DecodeTableBlob(pt.Manifest.Config.MediaType, stored)
+	if err != nil {
+		t.Fatal(err)
+	}
+	index, err := content.FetchAll(ctx, store, desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	manifest, err := content.FetchAll(ctx, store, pages.Parts[0].Manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, got := range map[string][]byte{
+		"vector-v2-index.json":          index,
+		"vector-v2-pages-manifest.json": manifest,
+		"vector-v2-pages-table.json":    table,
+	} {
+		path := filepath.Join("testdata", name)
+		if *updateVector {
+			if err := os.WriteFile(path, got, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("%s: cryo writes\n%s\nwant\n%s", name, got, want)
+		}
+	}
+}
+
 // writeVector2Dir writes test vector 2 (SPEC.md section 11): vector 1's
 // files plus an empty file and, in a subdirectory, a file of 4,097 pages
 // (every odd page incompressible, every even page zero) that, cut into
