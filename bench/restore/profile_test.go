@@ -40,6 +40,12 @@ type profSample struct{ answer, bytes float64 }
 // with the profile recorded in one restore of the same snapshot on the
 // same link just before (the working set: the ranges the sandbox waited
 // on). It prints a Markdown table and the targets of issue 13.
+//
+// For investigations, besides CRYO_BENCH_ONLY, CRYO_BENCH_VERBOSE and
+// CRYO_BENCH_READ_LOG (below), CRYO_BENCH_RUNSC_FLAGS adds global flags to
+// every runsc the app runs with, on every path: "--debug
+// --debug-log=/tmp/d/%COMMAND%-%TIMESTAMP%.log" logs runsc's restore
+// timeline (its "Timer for Restore" lines) beside the reads of cryo's.
 func BenchmarkProfile(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	gvisortest.GoferDir(b)
@@ -50,7 +56,7 @@ func BenchmarkProfile(b *testing.B) {
 	ws := map[string]int64{}         // hot|size|link: the working set recorded
 	for _, hot := range hotSets {
 		for _, mib := range sizes {
-			app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib, Interval: 5 * time.Millisecond, HotSet: gvisortest.HotSet(hot)})
+			app := gvisortest.StartApp(b, runsc, gvisortest.AppOptions{MemoryMiB: mib, Interval: 5 * time.Millisecond, HotSet: gvisortest.HotSet(hot), RunscFlags: strings.Fields(os.Getenv("CRYO_BENCH_RUNSC_FLAGS"))})
 			app.NextCount(b)
 			img := app.Checkpoint(b)
 			tag := fmt.Sprintf("%s-m%d", hot, mib)

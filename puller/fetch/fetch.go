@@ -717,11 +717,22 @@ func (s *Scheduler) next() (*call, Priority) {
 			return nil, 0
 		}
 		urgent := s.active[Fault] > 0 || s.running && s.active[Profile] > 0
-		for _, p := range s.order() {
+		limit := s.link.backgroundLimit(s.opts.Workers)
+		order := s.order()
+		if s.running && s.active[Read] == 0 {
+			// One read at least, whatever queues ahead of it: the sandbox's
+			// loader keeps its reads in a fixed number of slots, and issues a
+			// page fault's reads only as one of them completes.
+			order = [...]Priority{Fault, Read, Profile, Prefetch}
+		}
+		for _, p := range order {
 			if p == Prefetch && (s.active[Fault]+s.active[Profile]+s.active[Read] > 0) {
 				break
 			}
-			if (p == Read || p == Prefetch || p == Profile && !s.running) && urgent && s.background() >= s.link.backgroundLimit(s.opts.Workers) {
+			if (p == Read || p == Prefetch || p == Profile && !s.running) && urgent && s.background() >= limit {
+				break
+			}
+			if p == Profile && !s.running && s.active[Read] > 0 && s.active[Profile] >= limit {
 				break
 			}
 			if cl := s.take(p); cl != nil {
@@ -739,10 +750,14 @@ func (s *Scheduler) next() (*call, Priority) {
 // on memory not loaded yet (a Fault read of pages.img): it runs, and
 // profile chunks go ahead of its loader's reads from now on. The
 // puller's own urgent fetches (the small files, before the mount is
-// ready) do not count.
+// ready) do not count. A fault found in place, never fetched, counts as
+// a page fault's fetch that ended now: the background yields the CPU for
+// FaultQuiet (Options.BackgroundCPU), for the sandbox copies the fault's
+// bytes on the same cores.
 func (s *Scheduler) SandboxFaulted() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.faultEnded = s.now()
 	if !s.running {
 		s.running = true
 		s.cond.Broadcast()

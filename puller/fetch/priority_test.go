@@ -12,8 +12,10 @@ import (
 )
 
 // TestPriorityOrder: with the one worker busy, a fault starts at once on a
-// worker of its own; the queued work runs a profile's chunks first, in its
-// order, then reads, then prefetches.
+// worker of its own; the queued work runs a read first (no read is in
+// flight: the sandbox's loader issues a fault's reads only as one of its
+// reads completes), then a profile's chunks, in its order, then
+// prefetches.
 func TestPriorityOrder(t *testing.T) {
 	c, codec := setup(t)
 	cs, b := rawChunks(1, 7, 4096)
@@ -60,13 +62,131 @@ func TestPriorityOrder(t *testing.T) {
 		got = append(got, e.Offset/4096)
 		prios = append(prios, e.Priority)
 	}
-	want := []int64{5, 3, 4, 2, 1}
+	want := []int64{5, 2, 3, 4, 1}
 	if len(got) != len(want) {
 		t.Fatalf("fetched chunks %v, want %v", got, want)
 	}
 	for i := range want {
 		if got[i] != want[i] {
-			t.Fatalf("fetched chunks %v (priorities %v), want %v: fault, profile in order, read, prefetch", got, prios, want)
+			t.Fatalf("fetched chunks %v (priorities %v), want %v: fault, read, profile in order, prefetch", got, prios, want)
+		}
+	}
+}
+
+// TestOneReadBesideTheProfile: once the sandbox runs, a profile's chunks
+// go ahead of its loader's reads, but never all of them: a worker that
+// frees up while no read is in flight takes a read, the next one
+// (a read now in flight) the profile's first chunk. (gVisor's loader
+// keeps its reads in a fixed number of slots and issues a page fault's
+// reads only as one completes: reads that all wait behind a profile hold
+// the sandbox's next fault back.)
+func TestOneReadBesideTheProfile(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(3, 6, 4096)
+	h := &heldBlobs{blobs: b, released: map[digest.Digest]chan struct{}{}}
+	for _, ch := range cs {
+		h.released[ch.Digest] = make(chan struct{})
+	}
+	s := startScheduler(t, []Endpoint{{Name: "held", Store: h}}, c, codec, Options{Workers: 2})
+	ctx := context.Background()
+	s.SandboxFaulted()
+	busy := s.Prefetch(cs[:2])
+	active := func(p Priority, n int) func() bool {
+		return func() bool {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			return s.active[p] == n
+		}
+	}
+	eventually(t, "both workers to take a prefetch", active(Prefetch, 2))
+	reads := make(chan result, 2)
+	for _, ch := range cs[2:4] {
+		go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
+	}
+	eventually(t, "the reads to queue", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.queues[Read]) == 2
+	})
+	prof := s.FetchProfile(cs[4:6])
+	close(h.released[cs[0].Digest])
+	eventually(t, "the freed worker to take a read", active(Read, 1))
+	close(h.released[cs[1].Digest])
+	eventually(t, "the other worker to take a profile chunk", active(Profile, 1))
+	log := s.Log()[2:4]
+	if log[0].Priority != Read || log[1].Offset != cs[4].Offset || log[1].Priority != Profile {
+		t.Errorf("the two fetches after the prefetches: %+v, want a read, then the profile's first chunk", log)
+	}
+	for _, ch := range cs[2:] {
+		close(h.released[ch.Digest])
+	}
+	for _, p := range append(busy, prof...) {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if r := wait(t, reads, "read"); r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
+}
+
+// heldBlobs holds each blob's fetch until its channel in released is
+// closed.
+type heldBlobs struct {
+	blobs
+	released map[digest.Digest]chan struct{}
+}
+
+func (h *heldBlobs) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
+	select {
+	case <-h.released[desc.Digest]:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return h.blobs.Fetch(ctx, desc)
+}
+
+// TestProfileBesideReadsBeforeTheSandboxRuns: until the sandbox runs,
+// runsc restore waits on its loader's reads (and on page faults whose
+// reads the loader issues only as those complete): while a read is in
+// flight, a profile's chunks keep to the link's background limit (one,
+// with nothing measured yet), not every idle worker.
+func TestProfileBesideReadsBeforeTheSandboxRuns(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(4, 5, 4096)
+	g := newGate(b)
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
+	ctx := context.Background()
+	reads := make(chan result, 2)
+	for _, ch := range cs[:2] {
+		go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
+	}
+	eventually(t, "both reads to start", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.active[Read] == 2
+	})
+	prof := s.FetchProfile(cs[2:5])
+	// Give the two idle workers every chance to take more of the profile
+	// than allowed.
+	time.Sleep(200 * time.Millisecond)
+	s.mu.Lock()
+	active := s.active[Profile]
+	s.mu.Unlock()
+	if active != 1 {
+		t.Errorf("%d profile chunks in flight beside the reads before the sandbox runs, want 1", active)
+	}
+	g.open()
+	for _, p := range prof {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if r := wait(t, reads, "read"); r.err != nil {
+			t.Fatal(r.err)
 		}
 	}
 }

@@ -336,6 +336,37 @@ func backgroundYieldsAfterAFault(t *testing.T, later int) {
 	}
 }
 
+// TestBackgroundYieldsAfterAFaultInPlace: a page fault whose bytes were
+// in place, never fetched (SandboxFaulted alone), makes the background
+// yield the CPU for FaultQuiet, as a fetched one does: the sandbox copies
+// them on the same cores.
+func TestBackgroundYieldsAfterAFaultInPlace(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	read, rb := packedChunks(40, 1, size)
+	late, lb := packedChunks(50, 1, size)
+	s := startScheduler(t, []Endpoint{{Name: "ranges", Store: &packGate{blobs: merged(rb, lb)}}}, c, codec, Options{Workers: 2, BackgroundCPU: 1})
+	clock, yields := fakeClock(s)
+	ctx := context.Background()
+	s.SandboxFaulted()
+	clock.Store(int64(FaultQuiet / 2))
+	if _, err := s.Get(ctx, read[0], nil, Read); err != nil {
+		t.Fatal(err)
+	}
+	if yields.Load() == 0 {
+		t.Errorf("a read %v after a fault found in place did not yield", FaultQuiet/2)
+	}
+	waitIdle(t, s)
+	clock.Store(int64(2 * FaultQuiet))
+	before := yields.Load()
+	if _, err := s.Get(ctx, late[0], nil, Read); err != nil {
+		t.Fatal(err)
+	}
+	if n := yields.Load() - before; n != 0 {
+		t.Errorf("a read %v after a fault found in place yielded %d times", 2*FaultQuiet, n)
+	}
+}
+
 // TestBackgroundYieldsAfterAFaultThatJoinedARead: a page fault on a chunk
 // the background had already started fetching, alone or coalesced into
 // the range of another (a member of its batch), waits on that fetch; once
