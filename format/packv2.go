@@ -118,6 +118,10 @@ func (p *packer) packStreamV2(ctx context.Context, f fileEntry, r io.Reader) ([]
 	if err == nil {
 		seal()
 	}
+	// The open pack (empty after the last seal) goes back for the next
+	// file: a snapshot of many small files would otherwise allocate a
+	// pack's buffer for each.
+	p.packs.Put(&pack)
 	if uerr := uploads.Wait(); err == nil {
 		err = uerr
 	}
