@@ -67,58 +67,182 @@ type Summary struct {
 	// StoredBytes plus the frames of other snapshots' chunks in the packs
 	// it shares with them.
 	PackBytes int64 `json:"packBytes,omitempty"`
+	// Reuse is what the snapshot shares with a base snapshot; set only by
+	// InspectBase.
+	Reuse *Reuse `json:"reuse,omitempty"`
+}
+
+// Reuse is what a snapshot shares with another one, its base: what a node
+// that holds the base's chunks must still fetch, and what a registry that
+// holds the base stored for the snapshot. Chunks are compared by digest,
+// so across formats; packs only between two v2 snapshots.
+type Reuse struct {
+	// Base is the digest of the base's index, BaseVersion its format.
+	Base        digest.Digest `json:"base"`
+	BaseVersion Version       `json:"baseVersion"`
+	// SharedChunks counts the snapshot's stored chunks (the non-zero ones,
+	// each counted once, as Summary.StoredBytes counts them) whose digest
+	// the base holds too; SharedBytes is their stored size in this
+	// snapshot.
+	SharedChunks int   `json:"sharedChunks"`
+	SharedBytes  int64 `json:"sharedBytes"`
+	// NewChunks and NewBytes are the other stored chunks and their size:
+	// what a node holding the base's chunks still fetches (before a
+	// reader's coalescing of frames). SharedBytes + NewBytes is
+	// Summary.StoredBytes.
+	NewChunks int   `json:"newChunks"`
+	NewBytes  int64 `json:"newBytes"`
+	// Packs compares the packs of two v2 snapshots; nil if either is v1.
+	Packs *PackReuse `json:"packs,omitempty"`
+}
+
+// PackReuse splits the packs a v2 snapshot lists into those its v2 base
+// lists too and the others.
+type PackReuse struct {
+	// Shared counts the packs the base lists too, SharedBytes their size.
+	Shared      int   `json:"shared"`
+	SharedBytes int64 `json:"sharedBytes"`
+	// New counts the packs the base does not list, NewBytes their size:
+	// what a registry holding the base stored for this snapshot.
+	// SharedBytes + NewBytes is Summary.PackBytes.
+	New      int   `json:"new"`
+	NewBytes int64 `json:"newBytes"`
 }
 
 // Inspect loads the index and every chunk table of the snapshot desc (no
 // chunk blobs) and summarizes them.
 func Inspect(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor) (*Summary, error) {
-	snap, err := LoadSnapshot(ctx, src, desc)
+	sum, _, err := inspect(ctx, src, desc)
+	return sum, err
+}
+
+// InspectBase is Inspect, and also compares the snapshot with the snapshot
+// base in baseSrc (Summary.Reuse), loading the base's index and chunk
+// tables too (no chunk blobs). The two may be of different formats.
+func InspectBase(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor, baseSrc content.Fetcher, base ocispec.Descriptor) (*Summary, error) {
+	sum, st, err := inspect(ctx, src, desc)
 	if err != nil {
 		return nil, err
 	}
-	sum := &Summary{Digest: desc.Digest, Annotations: snap.Annotations, LogicalBytes: snap.LogicalSize(), Version: snap.Version}
-	all := map[digest.Digest]bool{}
-	packs := map[digest.Digest]int64{}
-	for i := range snap.Files {
-		f := &snap.Files[i]
-		fs := FileSummary{Path: f.Path, Size: f.Size, Mode: fmt.Sprintf("%04o", uint32(f.Mode.Perm())), Digest: f.Digest, Parts: len(f.Parts)}
-		inFile := map[digest.Digest]bool{}
-		for part := range f.Parts {
-			pt, err := LoadPart(ctx, src, f, part)
-			if err != nil {
-				return nil, err
-			}
-			for _, c := range pt.Table.Chunks {
-				fs.Chunks.add(c)
-				sum.Chunks.add(c)
-				if c.Encoding == EncodingZero {
-					continue
-				}
-				// A chunk is stored once: as its own blob (v1) or as a
-				// frame of a pack (v2).
-				key := c.Blob
-				if c.Packed() {
-					key = c.Digest
-					packs[c.Blob] = c.PackSize
-				}
-				if !inFile[key] {
-					inFile[key] = true
-					fs.StoredBytes += c.BlobSize
-				}
-				if !all[key] {
-					all[key] = true
-					sum.StoredBytes += c.BlobSize
-				}
+	baseSnap, err := LoadSnapshot(ctx, baseSrc, base)
+	if err != nil {
+		return nil, fmt.Errorf("base %s: %w", base.Digest, err)
+	}
+	baseChunks := map[digest.Digest]bool{}
+	basePacks := map[digest.Digest]bool{}
+	err = eachChunk(ctx, baseSrc, baseSnap, func(_ int, c Chunk) {
+		if c.Encoding == EncodingZero {
+			return
+		}
+		baseChunks[c.Digest] = true
+		if c.Packed() {
+			basePacks[c.Blob] = true
+		}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("base %s: %w", base.Digest, err)
+	}
+	r := &Reuse{Base: base.Digest, BaseVersion: baseSnap.Version}
+	for _, c := range st.stored {
+		if baseChunks[c.Digest] {
+			r.SharedChunks++
+			r.SharedBytes += c.BlobSize
+		} else {
+			r.NewChunks++
+			r.NewBytes += c.BlobSize
+		}
+	}
+	if sum.Version == V2 && baseSnap.Version == V2 {
+		r.Packs = &PackReuse{}
+		for pack, size := range st.packs {
+			if basePacks[pack] {
+				r.Packs.Shared++
+				r.Packs.SharedBytes += size
+			} else {
+				r.Packs.New++
+				r.Packs.NewBytes += size
 			}
 		}
-		sum.Files = append(sum.Files, fs)
 	}
-	sum.Blobs = len(all)
+	sum.Reuse = r
+	return sum, nil
+}
+
+// stored is what a snapshot stores: by the key it is stored under (v1:
+// blob digest, v2: chunk digest), the entry of each non-zero chunk, and
+// the size of each pack (v2).
+type stored struct {
+	stored map[digest.Digest]Chunk
+	packs  map[digest.Digest]int64
+}
+
+func inspect(ctx context.Context, src content.Fetcher, desc ocispec.Descriptor) (*Summary, *stored, error) {
+	snap, err := LoadSnapshot(ctx, src, desc)
+	if err != nil {
+		return nil, nil, err
+	}
+	sum := &Summary{Digest: desc.Digest, Annotations: snap.Annotations, LogicalBytes: snap.LogicalSize(), Version: snap.Version}
+	st := &stored{stored: map[digest.Digest]Chunk{}, packs: map[digest.Digest]int64{}}
+	for i := range snap.Files {
+		f := &snap.Files[i]
+		sum.Files = append(sum.Files, FileSummary{Path: f.Path, Size: f.Size, Mode: fmt.Sprintf("%04o", uint32(f.Mode.Perm())), Digest: f.Digest, Parts: len(f.Parts)})
+	}
+	inFile := map[digest.Digest]bool{}
+	last := -1
+	err = eachChunk(ctx, src, snap, func(i int, c Chunk) {
+		fs := &sum.Files[i]
+		if i != last {
+			clear(inFile)
+			last = i
+		}
+		fs.Chunks.add(c)
+		sum.Chunks.add(c)
+		if c.Encoding == EncodingZero {
+			return
+		}
+		// A chunk is stored once: as its own blob (v1) or as a frame of a
+		// pack (v2).
+		key := c.Blob
+		if c.Packed() {
+			key = c.Digest
+			st.packs[c.Blob] = c.PackSize
+		}
+		if !inFile[key] {
+			inFile[key] = true
+			fs.StoredBytes += c.BlobSize
+		}
+		if _, ok := st.stored[key]; !ok {
+			st.stored[key] = c
+			sum.StoredBytes += c.BlobSize
+		}
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	sum.Blobs = len(st.stored)
 	if snap.Version == V2 {
-		sum.Blobs = len(packs)
-		for _, n := range packs {
+		sum.Blobs = len(st.packs)
+		for _, n := range st.packs {
 			sum.PackBytes += n
 		}
 	}
-	return sum, nil
+	return sum, st, nil
+}
+
+// eachChunk loads the chunk tables of snap's parts, in order, and calls fn
+// with the index of the file and each chunk of the part.
+func eachChunk(ctx context.Context, src content.Fetcher, snap *Snapshot, fn func(file int, c Chunk)) error {
+	for i := range snap.Files {
+		f := &snap.Files[i]
+		for part := range f.Parts {
+			pt, err := LoadPart(ctx, src, f, part)
+			if err != nil {
+				return err
+			}
+			for _, c := range pt.Table.Chunks {
+				fn(i, c)
+			}
+		}
+	}
+	return nil
 }
