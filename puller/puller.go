@@ -296,6 +296,9 @@ type load struct {
 	// pages.img's lead until sandboxRead is closed (at a sandbox's first
 	// read of pages.img) or for that long (FilesOptions.AwaitSandbox).
 	awaitSandbox time.Duration
+	// runsWhenTold: the sandbox runs when Mount.SandboxStarted says so
+	// (FilesOptions.RunsWhenTold).
+	runsWhenTold bool
 	sandboxRead  chan struct{}
 	sandboxOnce  sync.Once
 	sched        *fetch.Scheduler
@@ -355,7 +358,7 @@ func (l *load) begin(ctx context.Context) <-chan foundProfile {
 		}
 	}
 	found := l.findProfile(ctx)
-	fo := fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching}
+	fo := fetch.Options{Workers: o.Workers, Deadline: o.Deadline, WriteBuffer: o.WriteBuffer, Logger: o.Logger, Metrics: o.FetchMetrics, KeepLog: o.KeepFetchLog, InFlight: &l.p.fetching, RunsWhenTold: l.runsWhenTold}
 	if o.Peers != nil && l.src.Repository != "" {
 		fo.Peers = o.Peers.For(l.src.Repository)
 	}
@@ -889,6 +892,11 @@ type FilesOptions struct {
 	// Options.RecordSweepRate does every mount's: for a mount whose
 	// recorded profile will be kept (this rate wins over the puller's).
 	RecordSweepRate float64
+	// RunsWhenTold: the sandbox runs when Mount.SandboxStarted says so,
+	// not at its first page fault (fetch.Options.RunsWhenTold), for a
+	// restore that runs runsc itself and sees it return. Until then a
+	// profile's chunks stay behind the loader's reads.
+	RunsWhenTold bool
 }
 
 // mount is Mount, or with files MountFiles.
@@ -960,6 +968,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	// them, and the rest in the background (tables).
 	// Lazy from here: a sandbox reads as it restores (AwaitSandbox).
 	l.awaitSandbox = opts.AwaitSandbox
+	l.runsWhenTold = opts.RunsWhenTold
 	found := l.begin(bg)
 	m.files = make([]imagefs.File, len(l.snap.Files))
 	for i, f := range l.snap.Files {
@@ -1319,7 +1328,18 @@ func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	return waited
 }
 
-// sandboxFaulted tells the load's scheduler that the sandbox runs.
+// SandboxStarted tells the mount that its sandbox runs: runsc restore
+// returned. A mount made with FilesOptions.RunsWhenTold needs it for its
+// profile's chunks to go ahead of the loader's reads; for any other it
+// says what the sandbox's first page fault said already.
+func (m *Mount) SandboxStarted() {
+	if m.l != nil && m.l.sched != nil {
+		m.l.sched.SandboxStarted()
+	}
+}
+
+// sandboxFaulted tells the load's scheduler that the sandbox faulted (it
+// runs, unless FilesOptions.RunsWhenTold).
 func (m *Mount) sandboxFaulted() {
 	if m.l.sched != nil {
 		m.l.sched.SandboxFaulted()

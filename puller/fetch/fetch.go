@@ -96,6 +96,12 @@ type Options struct {
 	// Go's scheduler gives a fault's fetch its turn only after theirs,
 	// and faults took 50-280 ms each on two cores (docs/benchmarks.md).
 	BackgroundCPU int
+	// RunsWhenTold makes the sandbox run when SandboxStarted says so, not
+	// at its first page fault (SandboxFaulted then only makes the
+	// background yield): a restore that starts runsc itself knows when
+	// runsc restore returned, and the faults before that are runsc's own,
+	// loading the kernel's state, which waits on the loader's reads.
+	RunsWhenTold bool
 	// ServesPeers marks the scheduler of the chunks a node serves its
 	// peers (puller.ServeChunks): it does not follow another mount's fetch
 	// of a chunk while that fetch waits on a peer (which may be waiting on
@@ -758,6 +764,21 @@ func (s *Scheduler) SandboxFaulted() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.faultEnded = s.now()
+	if !s.opts.RunsWhenTold {
+		s.runsLocked()
+	}
+}
+
+// SandboxStarted tells the scheduler that the sandbox runs (runsc
+// restore returned): profile chunks go ahead of its loader's reads from
+// now on. With Options.RunsWhenTold it is the only way to say so.
+func (s *Scheduler) SandboxStarted() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.runsLocked()
+}
+
+func (s *Scheduler) runsLocked() {
 	if !s.running {
 		s.running = true
 		s.cond.Broadcast()

@@ -316,3 +316,33 @@ func TestFaultWithEveryWorkerStuck(t *testing.T) {
 		t.Fatal("wrong bytes")
 	}
 }
+
+// TestRunsWhenTold: with Options.RunsWhenTold a page fault makes the
+// background yield but does not make the sandbox run (runsc restore's own
+// faults, loading the kernel, come before it returns): reads stay ahead of
+// a profile's chunks until SandboxStarted.
+func TestRunsWhenTold(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(5, 2, 4096)
+	s := startScheduler(t, []Endpoint{{Name: "blobs", Store: b}}, c, codec, Options{Workers: 1, RunsWhenTold: true})
+	s.SandboxFaulted()
+	s.mu.Lock()
+	running, faulted := s.running, !s.faultEnded.IsZero()
+	order := s.order()
+	s.mu.Unlock()
+	if running || !faulted || order[1] != Read {
+		t.Errorf("after a fault: running %v, fault noted %v, order %v; want not running, noted, reads second", running, faulted, order)
+	}
+	s.SandboxStarted()
+	s.mu.Lock()
+	running, order = s.running, s.order()
+	s.mu.Unlock()
+	if !running || order[1] != Profile {
+		t.Errorf("after SandboxStarted: running %v, order %v; want running, profile second", running, order)
+	}
+	for _, p := range s.FetchProfile(cs) {
+		if err := p.Wait(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -30,7 +30,7 @@ const goferMountID = "restore"
 // at dir.
 func startGofer(ctx context.Context, p *puller.Puller, src puller.Source, dir string, opts Options) (*goferMount, error) {
 	loaded := make(chan struct{})
-	m, err := p.MountFiles(ctx, src, dir, puller.FilesOptions{MaterializeAfter: loaded, AwaitSandbox: puller.AwaitRestore})
+	m, err := p.MountFiles(ctx, src, dir, puller.FilesOptions{MaterializeAfter: loaded, AwaitSandbox: puller.AwaitRestore, RunsWhenTold: true})
 	if err != nil {
 		return nil, err
 	}

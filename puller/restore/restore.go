@@ -314,6 +314,9 @@ func Restore(ctx context.Context, p *puller.Puller, src puller.Source, opts Opti
 		return nil, fmt.Errorf("runsc restore: %w", err)
 	}
 	r.res.Restored = r.report(Restored, dir, nil)
+	if m != nil {
+		m.SandboxStarted()
+	}
 	wc := exec.CommandContext(ctx, opts.Runsc, r.runscArgs("wait", "--restore", opts.ContainerID)...)
 	wc.Stderr = opts.Stderr
 	if out, err := wc.Output(); err != nil {
