@@ -137,19 +137,7 @@ func TestJSONAsWritten(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		path := filepath.Join("testdata", name)
-		if *updateVector {
-			if err := os.WriteFile(path, got, 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
-		want, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(got, want) {
-			t.Errorf("%s: cryo writes\n%s\nwant\n%s", name, got, want)
-		}
+		checkGolden(t, name, got)
 	}
 }
 
@@ -215,19 +203,7 @@ func TestJSONAsWrittenV2(t *testing.T) {
 		"vector-v2-pages-manifest.json": manifest,
 		"vector-v2-pages-table.json":    table,
 	} {
-		path := filepath.Join("testdata", name)
-		if *updateVector {
-			if err := os.WriteFile(path, got, 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
-		want, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(got, want) {
-			t.Errorf("%s: cryo writes\n%s\nwant\n%s", name, got, want)
-		}
+		checkGolden(t, name, got)
 	}
 }
 
@@ -322,5 +298,24 @@ func TestVector2(t *testing.T) {
 	}
 	if !bytes.Equal(append(data, '\n'), want) {
 		t.Errorf("vector 2 packs to\n%s\nwant\n%s", data, want)
+	}
+}
+
+// checkGolden compares got with testdata/name byte for byte (with
+// -update-vector, writes it there first).
+func checkGolden(t *testing.T, name string, got []byte) {
+	t.Helper()
+	path := filepath.Join("testdata", name)
+	if *updateVector {
+		if err := os.WriteFile(path, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("%s: cryo writes\n%s\nwant\n%s", name, got, want)
 	}
 }
