@@ -104,7 +104,7 @@ another registry is read with the credential store's only.`,
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the summary as JSON")
-	cmd.Flags().StringVar(&base, "base", "", "LAYOUT[:TAG] | REF | TAG: also show the chunks (by digest) and, both v2, the packs this snapshot shares with the snapshot named, and what is new")
+	cmd.Flags().StringVar(&base, "base", "", "LAYOUT[:TAG] | REF | TAG | @DIGEST: also show the chunks (by digest) and, both v2, the packs this snapshot shares with the snapshot named, and what is new")
 	ro.register(cmd)
 	return cmd
 }

@@ -164,7 +164,9 @@ const (
 	// on soon (puller/profile), fetched in the profile's order: behind
 	// reads while the sandbox is being restored (runsc restore waits on
 	// the first reads of its loader), ahead of them once it runs (from
-	// its first page fault on: Scheduler.SandboxFaulted).
+	// its first page fault on, Scheduler.SandboxFaulted, or with
+	// Options.RunsWhenTold from Scheduler.SandboxStarted), one read in
+	// flight excepted (next).
 	Profile
 	// Fault is a read the sandbox's application is blocked on (a page
 	// fault: through FUSE a short read, see imagefs.FaultBelow, or one
@@ -241,18 +243,20 @@ type Scheduler struct {
 	// faultWorkers counts the workers started for page faults beyond
 	// Options.Workers (faultWorker).
 	faultWorkers int
-	// running is set by SandboxFaulted: the sandbox runs. Before it,
-	// reads go ahead of profile chunks (the restore itself waits on
-	// them); after it, profile chunks go ahead of reads.
+	// running is set by SandboxFaulted (or SandboxStarted, with
+	// Options.RunsWhenTold): the sandbox runs. Before it, reads go ahead
+	// of profile chunks (the restore itself waits on them); after it,
+	// profile chunks go ahead of reads but one (next).
 	running bool
 	// backgroundCPU holds a token per background frame being verified
 	// (Options.BackgroundCPU); yielding, if set (tests), is called when a
 	// frame waits for one.
 	backgroundCPU chan struct{}
 	yielding      func()
-	// faultEnded is when the last page fault's fetch ended: the
-	// background yields for FaultQuiet after it, by the clock now
-	// (time.Now; tests set their own).
+	// faultEnded is when the last page fault's fetch ended, or a page
+	// fault was last seen (SandboxFaulted): the background yields for
+	// FaultQuiet after it, by the clock now (time.Now; tests set their
+	// own).
 	faultEnded time.Time
 	now        func() time.Time
 
@@ -715,6 +719,13 @@ func (s *Scheduler) take(p Priority) *call {
 // fetches in flight: about half the link's measured bandwidth-delay
 // product, at least one, so that it neither stops nor queues bytes on the
 // link ahead of what the sandbox waits for.
+//
+// Two rules keep the sandbox's loader going beside a profile. Before the
+// sandbox runs, while a read is in flight, profile chunks keep to that
+// same limit, not every idle worker. After, a read is taken whenever none
+// is in flight, ahead of profile chunks and whatever the limit: gVisor's
+// loader keeps its reads in a fixed number of slots and issues a page
+// fault's reads only as one of them completes.
 func (s *Scheduler) next() (*call, Priority) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -725,17 +736,15 @@ func (s *Scheduler) next() (*call, Priority) {
 		urgent := s.active[Fault] > 0 || s.running && s.active[Profile] > 0
 		limit := s.link.backgroundLimit(s.opts.Workers)
 		order := s.order()
-		if s.running && s.active[Read] == 0 {
-			// One read at least, whatever queues ahead of it: the sandbox's
-			// loader keeps its reads in a fixed number of slots, and issues a
-			// page fault's reads only as one of them completes.
+		oneRead := s.running && s.active[Read] == 0
+		if oneRead {
 			order = [...]Priority{Fault, Read, Profile, Prefetch}
 		}
 		for _, p := range order {
 			if p == Prefetch && (s.active[Fault]+s.active[Profile]+s.active[Read] > 0) {
 				break
 			}
-			if (p == Read || p == Prefetch || p == Profile && !s.running) && urgent && s.background() >= limit {
+			if (p == Read && !oneRead || p == Prefetch || p == Profile && !s.running) && urgent && s.background() >= limit {
 				break
 			}
 			if p == Profile && !s.running && s.active[Read] > 0 && s.active[Profile] >= limit {

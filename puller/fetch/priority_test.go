@@ -169,6 +169,11 @@ func TestProfileBesideReadsBeforeTheSandboxRuns(t *testing.T) {
 		return s.active[Read] == 2
 	})
 	prof := s.FetchProfile(cs[2:5])
+	eventually(t, "a worker to take a profile chunk", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.active[Profile] > 0
+	})
 	// Give the two idle workers every chance to take more of the profile
 	// than allowed.
 	time.Sleep(200 * time.Millisecond)
@@ -342,6 +347,48 @@ func TestRunsWhenTold(t *testing.T) {
 	}
 	for _, p := range s.FetchProfile(cs) {
 		if err := p.Wait(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestOneReadRuleLetsTheProfileGo: with the sandbox running, no read in
+// flight and none queued, a worker freed while a prefetch is in flight
+// takes the profile's next chunk: the read the rule puts first is not
+// there, and the background's limit (the prefetch) does not hold back a
+// profile chunk, which is not background once the sandbox runs.
+func TestOneReadRuleLetsTheProfileGo(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(6, 4, 4096)
+	h := &heldBlobs{blobs: b, released: map[digest.Digest]chan struct{}{}}
+	for _, ch := range cs {
+		h.released[ch.Digest] = make(chan struct{})
+	}
+	s := startScheduler(t, []Endpoint{{Name: "held", Store: h}}, c, codec, Options{Workers: 3})
+	ctx := context.Background()
+	s.SandboxFaulted()
+	active := func(p Priority, n int) func() bool {
+		return func() bool {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			return s.active[p] == n
+		}
+	}
+	pre := s.Prefetch(cs[:1])
+	eventually(t, "a worker to take the prefetch", active(Prefetch, 1))
+	prof := s.FetchProfile(cs[1:])
+	eventually(t, "two workers to take profile chunks", active(Profile, 2))
+	close(h.released[cs[2].Digest])
+	eventually(t, "the freed worker to take the profile's last chunk", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.active[Profile] == 2 && len(s.log) == 4
+	})
+	for _, ch := range []int{0, 1, 3} {
+		close(h.released[cs[ch].Digest])
+	}
+	for _, p := range append(pre, prof...) {
+		if err := p.Wait(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
