@@ -244,6 +244,9 @@ func TestPathsAreBytes(t *testing.T) {
 		if _, err := pk.AddFile(context.Background(), "sub/bad\xff.img", 0o644, strings.NewReader("x")); !errors.Is(err, ErrUnsupported) {
 			t.Errorf("AddFile of a non-UTF-8 name: %v, want ErrUnsupported", err)
 		}
+		if err := ValidatePath("sub/bad\xff.img"); err == nil || !strings.Contains(err.Error(), "not UTF-8") {
+			t.Errorf("ValidatePath of a non-UTF-8 name: %v, want an error saying it is not UTF-8", err)
+		}
 	})
 }
 
@@ -254,7 +257,8 @@ func TestPathsAreBytes(t *testing.T) {
 // 0700). The test sets the process's umask: no test of this package runs
 // in parallel. Checked against these mutations: writeFile's parent dirs
 // chmodded to 0755 after MkdirAll (the umask ignored); flushFile's Chmod
-// applying the umask (0640 and 0700).
+// applying the umask (0640 and 0700); the target dir itself chmodded to
+// 0755 (its staging dir is made 0700 and chmodded at the end).
 func TestUnpackModes(t *testing.T) {
 	ctx := context.Background()
 	files := map[string]fs.FileMode{"top.img": 0o666, "sub/dir/x.img": 0o707, "sub/y.img": 0o600}
@@ -292,7 +296,7 @@ func TestUnpackModes(t *testing.T) {
 			t.Errorf("%s unpacked with mode %04o, recorded %04o", p, st.Mode().Perm(), mode)
 		}
 	}
-	for _, d := range []string{"sub", "sub/dir"} {
+	for _, d := range []string{".", "sub", "sub/dir"} {
 		st, err := os.Stat(filepath.Join(out, filepath.FromSlash(d)))
 		if err != nil {
 			t.Fatal(err)

@@ -255,11 +255,13 @@ func (t *Table) Locate(off, n int64) (first, last int) {
 // ValidatePath checks that p is a clean, relative, slash-separated path that
 // stays inside the image dir: no "..", no ".", no empty or absolute parts.
 func ValidatePath(p string) error {
-	if p == "" || p == "." || len(p) > 4096 || !fs.ValidPath(p) || strings.ContainsAny(p, "\\\x00") || path.Clean(p) != p {
-		return fmt.Errorf("file path %q is not a clean relative path inside the image dir: %w", p, ErrInvalid)
-	}
+	// UTF-8 first: fs.ValidPath refuses what is not, with the vaguer
+	// message below.
 	if !utf8.ValidString(p) {
 		return fmt.Errorf("file path %q is not UTF-8 (a JSON string cannot carry it): %w", p, ErrInvalid)
+	}
+	if p == "" || p == "." || len(p) > 4096 || !fs.ValidPath(p) || strings.ContainsAny(p, "\\\x00") || path.Clean(p) != p {
+		return fmt.Errorf("file path %q is not a clean relative path inside the image dir: %w", p, ErrInvalid)
 	}
 	return nil
 }

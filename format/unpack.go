@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -273,6 +275,33 @@ const (
 	privateFileMode = 0o600
 )
 
+// targetDirMode is the mode an unpack's target dir gets: dirMode less
+// the umask, as the dirs implied by the paths get it from MkdirAll. The
+// staging dir is created 0700 (no one else may write into it while it
+// fills), so its final mode is set by Chmod, which ignores the umask.
+func targetDirMode() fs.FileMode {
+	return fs.FileMode(dirMode) &^ processUmask()
+}
+
+// processUmask reads the process's umask from /proc/self/status (Linux
+// 4.7 on), 022 if it cannot. Written by hand because the only other way,
+// syscall.Umask, sets it to read it, process-wide: a file another
+// goroutine creates in that moment would get the wrong mode.
+func processUmask() fs.FileMode {
+	data, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0o022
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "Umask:"); ok {
+			if m, err := strconv.ParseUint(strings.TrimSpace(v), 8, 32); err == nil {
+				return fs.FileMode(m) & fs.ModePerm
+			}
+		}
+	}
+	return 0o022
+}
+
 // finishDir removes the files under root that are not in keep (left by an
 // interrupted unpack of another snapshot), gives root its mode and syncs
 // every dir under it (the files were synced when written), children first.
@@ -346,7 +375,7 @@ type writer struct {
 
 // finish readies the staging dir for the commit (finishDir).
 func (w *writer) finish(keep map[string]bool) error {
-	mode := fs.FileMode(dirMode)
+	mode := targetDirMode()
 	if w.opts.Private {
 		mode = privateDirMode
 	}
@@ -540,7 +569,7 @@ func UnpackFiles(ctx context.Context, src content.Fetcher, desc ocispec.Descript
 			return fetched, fmt.Errorf("%s: %w", name, err)
 		}
 	}
-	if err := finishDir(partial, keep, dirMode); err != nil {
+	if err := finishDir(partial, keep, targetDirMode()); err != nil {
 		return fetched, err
 	}
 	return fetched, renameInto(partial, dir)
