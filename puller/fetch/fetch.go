@@ -787,6 +787,14 @@ func (s *Scheduler) SandboxStarted() {
 	s.runsLocked()
 }
 
+// Running reports whether the scheduler counts the sandbox as running
+// (SandboxFaulted, SandboxStarted).
+func (s *Scheduler) Running() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.running
+}
+
 func (s *Scheduler) runsLocked() {
 	if !s.running {
 		s.running = true
