@@ -248,6 +248,9 @@ type Scheduler struct {
 	// of profile chunks (the restore itself waits on them); after it,
 	// profile chunks go ahead of reads but one (next).
 	running bool
+	// readSeen is set at the first read (priority Read) queued: the
+	// sandbox's loader has started.
+	readSeen bool
 	// backgroundCPU holds a token per background frame being verified
 	// (Options.BackgroundCPU); yielding, if set (tests), is called when a
 	// frame waits for one.
@@ -615,6 +618,9 @@ func (s *Scheduler) enqueueLocked(c format.Chunk, prio Priority, demand bool) (*
 	if s.closed {
 		return nil, ErrClosed
 	}
+	if prio == Read {
+		s.readSeen = true
+	}
 	k := keyOf(c)
 	if cl, ok := s.calls[k]; ok {
 		cl.demand = cl.demand || demand
@@ -750,6 +756,9 @@ func (s *Scheduler) next() (*call, Priority) {
 			if p == Profile && !s.running && s.active[Read] > 0 && s.active[Profile] >= limit {
 				break
 			}
+			if p == Profile && !s.running && !s.readSeen && s.active[Profile] >= earlyProfile {
+				break
+			}
 			if cl := s.take(p); cl != nil {
 				if cl.chunk.Packed() && !cl.single {
 					s.coalesce(cl, p)
@@ -760,6 +769,10 @@ func (s *Scheduler) next() (*call, Priority) {
 		s.cond.Wait()
 	}
 }
+
+// earlyProfile bounds the profile chunks in flight before the sandbox's
+// loader reads at all: runsc is starting its sandbox on the same cores.
+const earlyProfile = 2
 
 // SandboxFaulted tells the scheduler that the sandbox took a page fault
 // on memory not loaded yet (a Fault read of pages.img): it runs, and

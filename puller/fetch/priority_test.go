@@ -393,3 +393,34 @@ func TestOneReadRuleLetsTheProfileGo(t *testing.T) {
 		}
 	}
 }
+
+// TestProfileEarlyBound: before the sandbox's loader reads at all (runsc
+// still starting its sandbox on the same cores), at most earlyProfile
+// profile chunks are in flight, not every idle worker.
+func TestProfileEarlyBound(t *testing.T) {
+	c, codec := setup(t)
+	cs, b := rawChunks(7, 5, 4096)
+	g := newGate(b)
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
+	ctx := context.Background()
+	prof := s.FetchProfile(cs)
+	eventually(t, "profile chunks in flight", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.active[Profile] == earlyProfile
+	})
+	// Give the idle workers every chance to take more than allowed.
+	time.Sleep(200 * time.Millisecond)
+	s.mu.Lock()
+	active := s.active[Profile]
+	s.mu.Unlock()
+	if active != earlyProfile {
+		t.Errorf("%d profile chunks in flight before any read, want %d", active, earlyProfile)
+	}
+	g.open()
+	for _, p := range prof {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
