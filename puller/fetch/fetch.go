@@ -249,7 +249,8 @@ type Scheduler struct {
 	// profile chunks go ahead of reads but one (next).
 	running bool
 	// readSeen is set at the first read (priority Read) queued: the
-	// sandbox's loader has started.
+	// sandbox's loader has started, and read something the node did not
+	// hold (its first reads of a lead the node prefetched do not count).
 	readSeen bool
 	// backgroundCPU holds a token per background frame being verified
 	// (Options.BackgroundCPU); yielding, if set (tests), is called when a
@@ -771,7 +772,8 @@ func (s *Scheduler) next() (*call, Priority) {
 }
 
 // earlyProfile bounds the profile chunks in flight before the sandbox's
-// loader reads at all: runsc is starting its sandbox on the same cores.
+// loader has read anything that must be fetched (readSeen): runsc is
+// starting its sandbox on the same cores.
 const earlyProfile = 2
 
 // SandboxFaulted tells the scheduler that the sandbox took a page fault

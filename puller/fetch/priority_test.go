@@ -91,14 +91,7 @@ func TestOneReadBesideTheProfile(t *testing.T) {
 	ctx := context.Background()
 	s.SandboxFaulted()
 	busy := s.Prefetch(cs[:2])
-	active := func(p Priority, n int) func() bool {
-		return func() bool {
-			s.mu.Lock()
-			defer s.mu.Unlock()
-			return s.active[p] == n
-		}
-	}
-	eventually(t, "both workers to take a prefetch", active(Prefetch, 2))
+	eventually(t, "both workers to take a prefetch", activeIs(s, Prefetch, 2))
 	reads := make(chan result, 2)
 	for _, ch := range cs[2:4] {
 		go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
@@ -110,9 +103,9 @@ func TestOneReadBesideTheProfile(t *testing.T) {
 	})
 	prof := s.FetchProfile(cs[4:6])
 	close(h.released[cs[0].Digest])
-	eventually(t, "the freed worker to take a read", active(Read, 1))
+	eventually(t, "the freed worker to take a read", activeIs(s, Read, 1))
 	close(h.released[cs[1].Digest])
-	eventually(t, "the other worker to take a profile chunk", active(Profile, 1))
+	eventually(t, "the other worker to take a profile chunk", activeIs(s, Profile, 1))
 	log := s.Log()[2:4]
 	if log[0].Priority != Read || log[1].Offset != cs[4].Offset || log[1].Priority != Profile {
 		t.Errorf("the two fetches after the prefetches: %+v, want a read, then the profile's first chunk", log)
@@ -163,11 +156,7 @@ func TestProfileBesideReadsBeforeTheSandboxRuns(t *testing.T) {
 	for _, ch := range cs[:2] {
 		go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
 	}
-	eventually(t, "both reads to start", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return s.active[Read] == 2
-	})
+	eventually(t, "both reads to start", activeIs(s, Read, 2))
 	prof := s.FetchProfile(cs[2:5])
 	eventually(t, "a worker to take a profile chunk", func() bool {
 		s.mu.Lock()
@@ -367,17 +356,10 @@ func TestOneReadRuleLetsTheProfileGo(t *testing.T) {
 	s := startScheduler(t, []Endpoint{{Name: "held", Store: h}}, c, codec, Options{Workers: 3})
 	ctx := context.Background()
 	s.SandboxFaulted()
-	active := func(p Priority, n int) func() bool {
-		return func() bool {
-			s.mu.Lock()
-			defer s.mu.Unlock()
-			return s.active[p] == n
-		}
-	}
 	pre := s.Prefetch(cs[:1])
-	eventually(t, "a worker to take the prefetch", active(Prefetch, 1))
+	eventually(t, "a worker to take the prefetch", activeIs(s, Prefetch, 1))
 	prof := s.FetchProfile(cs[1:])
-	eventually(t, "two workers to take profile chunks", active(Profile, 2))
+	eventually(t, "two workers to take profile chunks", activeIs(s, Profile, 2))
 	close(h.released[cs[2].Digest])
 	eventually(t, "the freed worker to take the profile's last chunk", func() bool {
 		s.mu.Lock()
@@ -394,7 +376,7 @@ func TestOneReadRuleLetsTheProfileGo(t *testing.T) {
 	}
 }
 
-// TestProfileEarlyBound: before the sandbox's loader reads at all (runsc
+// TestProfileEarlyBound: before the sandbox's loader reads anything fetched (runsc
 // still starting its sandbox on the same cores), at most earlyProfile
 // profile chunks are in flight, not every idle worker.
 func TestProfileEarlyBound(t *testing.T) {
@@ -404,11 +386,7 @@ func TestProfileEarlyBound(t *testing.T) {
 	s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
 	ctx := context.Background()
 	prof := s.FetchProfile(cs)
-	eventually(t, "profile chunks in flight", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return s.active[Profile] == earlyProfile
-	})
+	eventually(t, "profile chunks in flight", activeIs(s, Profile, earlyProfile))
 	// Give the idle workers every chance to take more than allowed.
 	time.Sleep(200 * time.Millisecond)
 	s.mu.Lock()
@@ -422,5 +400,15 @@ func TestProfileEarlyBound(t *testing.T) {
 		if err := p.Wait(ctx); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// activeIs reports, for eventually, whether s has n fetches of priority p
+// in flight.
+func activeIs(s *Scheduler, p Priority, n int) func() bool {
+	return func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.active[p] == n
 	}
 }
