@@ -962,7 +962,6 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		m.ready = time.Since(start)
 		return m, nil
 	}
-	m.hold = newSweepHold(holdRate)
 	// Ready needs the small files and the profile's first chunks queued,
 	// not the chunk tables of the large files: those load as reads need
 	// them, and the rest in the background (tables).
@@ -970,6 +969,11 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	l.awaitSandbox = opts.AwaitSandbox
 	l.runsWhenTold = opts.RunsWhenTold
 	found := l.begin(bg)
+	recordFor := p.opts.RecordFor
+	if recordFor <= 0 {
+		recordFor = profile.DefaultRecordFor
+	}
+	m.hold = newSweepHold(holdRate, l.sched.PeakRate, recordFor)
 	m.files = make([]imagefs.File, len(l.snap.Files))
 	for i, f := range l.snap.Files {
 		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Span: func(ctx context.Context, off, n int64) ([]format.Chunk, error) {
@@ -1078,6 +1082,7 @@ func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
 		m.rec.Waited(path, off, n)
 		m.faulted.Store(true)
 		m.sandboxFaulted()
+		m.hold.faulted(time.Now())
 	default:
 		m.rec.Swept()
 	}
@@ -1313,11 +1318,15 @@ func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 // FUSE the sweep's first reads arrive in any order, and some are taken
 // for faults while runsc restore, which waits on the sweep's reads,
 // still runs. A recording's hold (Options.RecordSweepRate) holds the
-// sweep's reads here.
+// sweep's reads here, and lasts while the sandbox faults.
 func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	waited = m.rec.Read(path, off, n)
-	if path == format.PagesFile && n < imagefs.FaultBelow {
-		m.sandboxFaulted()
+	if path == format.PagesFile && (waited || n < imagefs.FaultBelow) {
+		// A fault, of either kind, makes a recording's hold last.
+		m.hold.faulted(time.Now())
+		if n < imagefs.FaultBelow {
+			m.sandboxFaulted()
+		}
 	}
 	if !waited && path == format.PagesFile && n >= imagefs.FaultBelow {
 		// The sweep's read, held while a recording holds it (FUSE gives

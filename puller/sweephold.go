@@ -17,57 +17,119 @@ import (
 // 256 MiB app's recording caught 35 MiB of its 99 MiB of windows.
 //
 // A recording mount (Options.RecordSweepRate) therefore holds the sweep's
-// reads to a rate well below the app's, for the first RecordHoldFor after
-// its first one: the app's faults, not held, then reach the recorder
-// for every window the app touches in that time, except those the held
-// sweep still gets to first (the first RecordHoldFor x rate bytes of
-// pages.img at most). What is held is what the classifier takes for the
-// sweep's reads, which include a fault within profile.SweepGap ahead of
-// the sweep (profile.Classifier): such a fault waits at the held rate,
-// and is not recorded either. The hold costs the recording restore its full-load
-// time (about RecordHoldFor longer), and may delay its app's first answer
-// a little: gVisor's loader issues a fault's reads once one of its reads
-// in flight, held sweep reads among them, completes.
+// reads to a rate well below the app's: the fixed rate, or an eighth of
+// the highest rate the load's fetches were measured at (holdShare) if that
+// is lower, but never below minHoldRate. The hold lasts RecordHoldFor from
+// the sweep's first read, and while the app faults: until RecordHoldFor
+// after its last page fault, never past the recording's end. The app's
+// faults, not held, then reach the recorder for every window the app
+// touches, except those the held sweep still gets to first (the first
+// bytes of pages.img it reads while held). What is held is what the
+// classifier takes for the sweep's reads, which include a fault within
+// profile.SweepGap ahead of the sweep (profile.Classifier): such a fault
+// waits at the held rate, and is not recorded either. The hold costs the
+// recording restore its full-load time (about as long as the hold
+// lasts), and may delay its app's first answer a little: gVisor's loader
+// issues a fault's reads once one of its reads in flight, held sweep reads
+// among them, completes.
+//
+// The share is of the peak rate, not of the rate measured now: a
+// fetch delivers what the hold lets it, so a share of the present rate
+// would hold the sweep ever lower. On a link slower than the fixed rate
+// the fixed rate alone would not bind (a 256 MiB app's recording on
+// 100 Mbit/s caught 67 of its 99 MiB of windows), and the app, whose
+// faults each wait seconds for a 32 MiB window there, faults for longer
+// than RecordHoldFor.
 
-// DefaultRecordSweepRate is the sweep's rate in bytes a second while a
-// recording holds it: a 32 MiB window every two seconds. (Not a share of
-// the link's measured rate: the scheduler measures what its fetches
-// deliver, which the hold itself lowers.) On a link slower than this the
-// hold does not bind.
+// DefaultRecordSweepRate is the sweep's highest rate in bytes a second
+// while a recording holds it: a 32 MiB window every two seconds.
 const DefaultRecordSweepRate = 16 << 20
 
 // RecordHoldFor is how long a recording holds the sweep after its first
-// read.
+// read, and after each page fault.
 const RecordHoldFor = 10 * time.Second
+
+// holdShare is the share of the link's peak rate the held sweep gets at
+// most: on 1 Gbit/s about the fixed rate, on 100 Mbit/s 1.5 MiB/s.
+const holdShare = 8
+
+// minHoldRate is the lowest rate a hold holds the sweep to: gVisor's
+// loader issues a fault's reads once one of its reads completes, so a
+// held 1 MiB read keeps a fault waiting up to a second at this rate.
+const minHoldRate = 1 << 20
 
 // holdBurst is the most bytes one read waits for: larger reads wait as
 // for this many (the gofer's reads are 1 MiB, FUSE's at most 1 MiB). A
-// read's wait ends at the hold's end (RecordHoldFor) whatever the rate.
+// read's wait ends at the hold's end whatever the rate.
 const holdBurst = 4 << 20
 
 // sweepHold holds a recording mount's sweep reads to its limiter's rate,
-// from the first of them for RecordHoldFor. A nil sweepHold holds nothing.
+// from the first of them for RecordHoldFor, longer while the sandbox
+// faults. A nil sweepHold holds nothing.
 type sweepHold struct {
-	lim *rate.Limiter
+	lim   *rate.Limiter
+	fixed float64
+	// peak is the load's highest measured rate (fetch.Scheduler.PeakRate),
+	// 0 before any; recordFor bounds the hold, from its start, as the
+	// recording is bounded.
+	peak      func() float64
+	recordFor time.Duration
 
 	mu    sync.Mutex
-	until time.Time // set at the first sweep read
+	start time.Time // the first sweep read
+	until time.Time
 }
 
-// newSweepHold returns a hold at bytesPerSec, or nil if bytesPerSec <= 0.
-func newSweepHold(bytesPerSec float64) *sweepHold {
+// newSweepHold returns a hold at most at bytesPerSec, a share of peak's
+// rate if that is lower (peak may be nil), lasting at most recordFor;
+// or nil if bytesPerSec <= 0.
+func newSweepHold(bytesPerSec float64, peak func() float64, recordFor time.Duration) *sweepHold {
 	if bytesPerSec <= 0 {
 		return nil
 	}
-	return &sweepHold{lim: rate.NewLimiter(rate.Limit(bytesPerSec), holdBurst)}
+	if peak == nil {
+		peak = func() float64 { return 0 }
+	}
+	return &sweepHold{lim: rate.NewLimiter(rate.Limit(bytesPerSec), holdBurst), fixed: bytesPerSec, peak: peak, recordFor: recordFor}
 }
 
-// rate is the hold's rate in bytes a second, 0 for no hold.
+// rate is the hold's highest rate in bytes a second, 0 for no hold.
 func (h *sweepHold) rate() float64 {
 	if h == nil {
 		return 0
 	}
-	return float64(h.lim.Limit())
+	return h.fixed
+}
+
+// holdRate is the rate the sweep is held to now: the fixed rate, or a
+// share of the peak rate if lower, but not below minHoldRate (nor above
+// the fixed rate).
+func (h *sweepHold) holdRate() float64 {
+	r := h.fixed
+	if p := h.peak(); p > 0 {
+		r = min(r, max(p/holdShare, minHoldRate))
+	}
+	return r
+}
+
+// faulted extends the hold, once it has started, to RecordHoldFor after
+// a page fault at now, as far as recordFor from its start.
+func (h *sweepHold) faulted(now time.Time) {
+	if h == nil {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.start.IsZero() {
+		return
+	}
+	end := now.Add(RecordHoldFor)
+	if last := h.start.Add(h.recordFor); h.recordFor > 0 && end.After(last) {
+		end = last
+	}
+	if end.After(h.until) {
+		h.until = end
+	}
 }
 
 // wait holds a sweep read of n bytes for its turn at the rate, while the
@@ -80,13 +142,16 @@ func (h *sweepHold) wait(ctx context.Context, n int64) {
 	}
 	now := time.Now()
 	h.mu.Lock()
-	if h.until.IsZero() {
-		h.until = now.Add(RecordHoldFor)
+	if h.start.IsZero() {
+		h.start, h.until = now, now.Add(RecordHoldFor)
 	}
 	until := h.until
 	h.mu.Unlock()
 	if !now.Before(until) {
 		return
+	}
+	if r := rate.Limit(h.holdRate()); r != h.lim.Limit() {
+		h.lim.SetLimitAt(now, r)
 	}
 	r := h.lim.ReserveN(now, int(min(n, holdBurst)))
 	d := min(r.DelayFrom(now), until.Sub(now))

@@ -55,7 +55,23 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 	if got := taken(m, readAt(m, format.PagesFile, fetch.Read)); !near(got, 4096) {
 		t.Errorf("a sweep read of 4096 bytes took %.0f of the hold's budget", got)
 	}
-	if got := taken(m, readAt(m, format.PagesFile, fetch.Fault)); !near(got, 0) {
+	// A page fault is not held, and makes the hold last RecordHoldFor
+	// from it (through ReadAt here, through FUSE below).
+	extended := func(fault func()) bool {
+		m.hold.mu.Lock()
+		m.hold.until = time.Now().Add(time.Second)
+		m.hold.mu.Unlock()
+		t0 := time.Now()
+		fault()
+		m.hold.mu.Lock()
+		defer m.hold.mu.Unlock()
+		return !m.hold.until.Before(t0.Add(RecordHoldFor))
+	}
+	var got float64
+	if !extended(func() { got = taken(m, readAt(m, format.PagesFile, fetch.Fault)) }) {
+		t.Error("a page fault through ReadAt did not extend the hold")
+	}
+	if !near(got, 0) {
 		t.Errorf("a page fault took %.0f of the hold's budget, want none", got)
 	}
 	if got := taken(m, readAt(m, "checkpoint.img", fetch.Read)); !near(got, 0) {
@@ -66,7 +82,10 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 	if got := taken(m, func() { m.observeFUSE(format.PagesFile, 0, 1<<20) }); !near(got, 1<<20) {
 		t.Errorf("a FUSE sweep read of 1 MiB took %.0f of the hold's budget", got)
 	}
-	if got := taken(m, func() { m.observeFUSE(format.PagesFile, 6<<20, 4096) }); !near(got, 0) {
+	if !extended(func() { got = taken(m, func() { m.observeFUSE(format.PagesFile, 6<<20, 4096) }) }) {
+		t.Error("a FUSE page fault did not extend the hold")
+	}
+	if !near(got, 0) {
 		t.Errorf("a FUSE page fault took %.0f of the hold's budget, want none", got)
 	}
 	// Once the sandbox has faulted, the stored bytes are answered in
@@ -143,4 +162,69 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 	if pr := again.Progress(); pr.Mode != "materialized" || again.hold != nil || pr.RecordSweepRate != 0 {
 		t.Errorf("a materialized mount asked to hold its sweep: mode %q, hold %v, progress says %v; want materialized, none, 0", pr.Mode, again.hold != nil, pr.RecordSweepRate)
 	}
+}
+
+// TestSweepHoldShareOfThePeak: the held sweep's rate is the fixed rate,
+// or an eighth of the load's peak rate if lower (so that the hold binds
+// on a link slower than the fixed rate), never below minHoldRate; each
+// wait sets its limiter to it.
+func TestSweepHoldShareOfThePeak(t *testing.T) {
+	const fixed = 16 << 20
+	for _, c := range []struct {
+		name       string
+		peak, want float64
+	}{
+		{"unmeasured", 0, fixed},
+		{"1 Gbit/s", 1e9 / 8, 1e9 / 8 / holdShare},
+		{"10 Gbit/s", 10e9 / 8, fixed},
+		{"100 Mbit/s", 100e6 / 8, 100e6 / 8 / holdShare},
+		{"10 Mbit/s", 10e6 / 8, minHoldRate},
+	} {
+		peak := c.peak
+		h := newSweepHold(fixed, func() float64 { return peak }, time.Minute)
+		h.wait(context.Background(), 4096)
+		if got := float64(h.lim.Limit()); got != c.want {
+			t.Errorf("%s (peak %.0f B/s): held to %.0f B/s, want %.0f", c.name, peak, got, c.want)
+		}
+		if h.rate() != fixed {
+			t.Errorf("%s: the hold says %.0f B/s, want its fixed rate %d", c.name, h.rate(), fixed)
+		}
+	}
+	// Below minHoldRate the fixed rate still wins.
+	h := newSweepHold(1000, func() float64 { return 1e9 }, time.Minute)
+	h.wait(context.Background(), 1)
+	if got := h.lim.Limit(); got != 1000 {
+		t.Errorf("a fixed rate of 1000 B/s on a fast link: held to %.0f B/s", got)
+	}
+}
+
+// TestSweepHoldLastsWhileTheAppFaults: a page fault extends the hold to
+// RecordHoldFor after it, but not past the recording's end, and does
+// nothing before the hold has started.
+func TestSweepHoldLastsWhileTheAppFaults(t *testing.T) {
+	h := newSweepHold(1<<20, nil, 30*time.Second)
+	before := time.Now()
+	h.faulted(before)
+	if !h.until.IsZero() {
+		t.Fatal("a fault before the sweep's first read started the hold")
+	}
+	h.wait(context.Background(), 1)
+	start := h.start
+	if start.IsZero() || h.until != start.Add(RecordHoldFor) {
+		t.Fatalf("after the first read: start %v, until %v, want until start+%v", start, h.until, RecordHoldFor)
+	}
+	h.faulted(start.Add(5 * time.Second))
+	if want := start.Add(5*time.Second + RecordHoldFor); h.until != want {
+		t.Errorf("a fault at 5 s: hold until +%v, want +%v", h.until.Sub(start), want.Sub(start))
+	}
+	h.faulted(start.Add(time.Second))
+	if want := start.Add(5*time.Second + RecordHoldFor); h.until != want {
+		t.Errorf("an earlier fault shortened the hold to +%v", h.until.Sub(start))
+	}
+	h.faulted(start.Add(25 * time.Second))
+	if want := start.Add(30 * time.Second); h.until != want {
+		t.Errorf("a fault at 25 s: hold until +%v, want the recording's end, +30s", h.until.Sub(start))
+	}
+	var none *sweepHold
+	none.faulted(time.Now()) // a mount that holds nothing
 }

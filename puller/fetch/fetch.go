@@ -802,6 +802,16 @@ func (s *Scheduler) SandboxStarted() {
 	s.runsLocked()
 }
 
+// PeakRate is the highest rate, in stored bytes a second, the
+// scheduler's fetches were measured to deliver (over windows of 250 ms,
+// smoothed), or 0 before any was measured: a lower bound of what the
+// link can carry, which a lull in the fetches does not lower.
+func (s *Scheduler) PeakRate() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.link.peak
+}
+
 // Running reports whether the scheduler counts the sandbox as running
 // (SandboxFaulted, SandboxStarted).
 func (s *Scheduler) Running() bool {

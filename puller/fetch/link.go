@@ -18,6 +18,9 @@ type link struct {
 	minTook  time.Duration
 	rate     float64
 	meanBlob float64
+	// peak is the highest rate measured: what the link can carry, at
+	// least, whatever its fetches deliver now.
+	peak float64
 	// The window: bytes done and the shortest fetch since windowStart.
 	windowStart time.Time
 	windowBytes int64
@@ -59,6 +62,7 @@ func (l *link) done(n int64, took time.Duration, now time.Time) {
 		} else {
 			l.rate += (r - l.rate) / 4
 		}
+		l.peak = max(l.peak, l.rate)
 		l.minTook = l.windowMin
 		l.windowStart, l.windowBytes, l.windowMin = now, 0, 0
 	}

@@ -266,6 +266,33 @@ func TestLinkBackgroundLimit(t *testing.T) {
 	}
 }
 
+// TestLinkPeak: the peak is the highest smoothed rate measured, and a
+// spell of slower fetches (a held sweep's) does not lower it.
+func TestLinkPeak(t *testing.T) {
+	var l link
+	if l.peak != 0 {
+		t.Fatalf("unmeasured: peak %.0f, want 0", l.peak)
+	}
+	now := time.Unix(0, 0)
+	// 40 fetches of 1 MiB per 250 ms window: 160 MiB/s.
+	for range 400 {
+		now = now.Add(250 * time.Millisecond / 40)
+		l.done(1<<20, 50*time.Millisecond, now)
+	}
+	fast := l.rate
+	if fast < 150<<20 || l.peak != fast {
+		t.Fatalf("at 160 MiB/s: rate %.0f, peak %.0f MiB/s", fast/(1<<20), l.peak/(1<<20))
+	}
+	// Then 1 MiB per 250 ms: 4 MiB/s.
+	for range 100 {
+		now = now.Add(250 * time.Millisecond)
+		l.done(1<<20, 50*time.Millisecond, now)
+	}
+	if l.rate > 8<<20 || l.peak != fast {
+		t.Errorf("after a slow spell: rate %.0f MiB/s (want about 4), peak %.0f MiB/s (want %.0f)", l.rate/(1<<20), l.peak/(1<<20), fast/(1<<20))
+	}
+}
+
 // stuckExcept blocks every fetch but those of free, until its test ends,
 // and counts the fetches blocked.
 type stuckExcept struct {
