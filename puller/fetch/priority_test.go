@@ -185,25 +185,37 @@ func TestProfileBesideReadsBeforeTheSandboxRuns(t *testing.T) {
 	}
 }
 
-// TestBackgroundBoundedWhileUrgent: before the sandbox runs (no fault
-// yet), a profile's chunk in flight holds no read back: the restore waits
-// on its loader's reads. Once it faults, while a profile's chunk is being
-// fetched, reads keep at most the link's background limit in flight (one,
-// with nothing measured yet); once it is in, they all go.
+// TestBackgroundBoundedWhileUrgent: while a profile's chunk is being
+// fetched, reads keep one in flight before the sandbox runs (no fault
+// yet: gVisor needs its loader's reads to complete, not to be many) and,
+// once it faults, at most the link's background limit (one, with nothing
+// measured yet); once it is in, they all go. Without a profile, before
+// the sandbox runs, every worker takes a read.
 func TestBackgroundBoundedWhileUrgent(t *testing.T) {
-	for _, running := range []bool{false, true} {
-		c, codec := setup(t)
+	for _, c := range []struct {
+		name             string
+		running, profile bool
+		want             int
+	}{
+		{"before the sandbox runs", false, true, 1},
+		{"once it runs", true, true, 1},
+		{"before it runs, no profile", false, false, 4},
+	} {
+		cache, codec := setup(t)
 		cs, b := rawChunks(2, 6, 4096)
 		g := newGate(b)
-		s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, c, codec, Options{Workers: 4})
+		s := startScheduler(t, []Endpoint{{Name: "gated", Store: g}}, cache, codec, Options{Workers: 4})
 		ctx := context.Background()
 		var fault <-chan result
-		if running {
+		if c.running {
 			fault = get(s, ctx, cs[5])
 			s.SandboxFaulted()
 		}
-		prof := s.FetchProfile(cs[:1])
-		wait(t, g.entered, "the first fetch")
+		var prof []*Pending
+		if c.profile {
+			prof = s.FetchProfile(cs[:1])
+			wait(t, g.entered, "the first fetch")
+		}
 		reads := make(chan result, 4)
 		for _, ch := range cs[1:5] {
 			go func() { data, err := s.Get(ctx, ch, nil, Read); reads <- result{data, err} }()
@@ -214,12 +226,14 @@ func TestBackgroundBoundedWhileUrgent(t *testing.T) {
 		s.mu.Lock()
 		active := s.active[Read]
 		s.mu.Unlock()
-		if want := map[bool]int{false: 3, true: 1}[running]; active != want {
-			t.Errorf("sandbox running %v: %d reads in flight beside the profile fetch, want %d", running, active, want)
+		if active != c.want {
+			t.Errorf("%s: %d reads in flight, want %d", c.name, active, c.want)
 		}
 		g.open()
-		if err := prof[0].Wait(ctx); err != nil {
-			t.Fatal(err)
+		for _, p := range prof {
+			if err := p.Wait(ctx); err != nil {
+				t.Fatal(err)
+			}
 		}
 		for range cs[1:5] {
 			if r := wait(t, reads, "read"); r.err != nil {

@@ -109,6 +109,51 @@ func TestReadReadsAhead(t *testing.T) {
 	}
 }
 
+// TestReadReadsAheadLessWhileAProfileLoads: while profile chunks are
+// left, a read's range request stops at FaultCoalesce: on a link the
+// profile fills, the loader's reads take bytes from it, and gVisor needs
+// them to complete (it issues a fault's reads only as one does), not to be
+// long.
+func TestReadReadsAheadLessWhileAProfileLoads(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	cs, b := packedChunks(1, 160, size)
+	pcs, pb := rawChunks(500, 2, 4096)
+	store := &rangeLog{gate: newGate(merged(b, pb))}
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
+	ctx := context.Background()
+	prof := s.FetchProfile(pcs)
+	wait(t, store.entered, "the first profile chunk's fetch")
+	rest := s.Prefetch(cs[11:])
+	read := make(chan result, 1)
+	go func() { data, err := s.Get(ctx, cs[10], nil, Read); read <- result{data, err} }()
+	eventually(t, "the read queued", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.queues[Read]) == 1
+	})
+	store.open()
+	if r := wait(t, read, "read"); r.err != nil || !bytes.Equal(r.data, b[cs[0].Blob][cs[10].PackOffset:cs[10].PackOffset+size]) {
+		t.Fatalf("read: %v", r.err)
+	}
+	for _, p := range append(prof, rest...) {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	var readRange [2]int64
+	for _, r := range store.ranges {
+		if r[0] == cs[10].PackOffset {
+			readRange = r
+		}
+	}
+	if readRange[1] != FaultCoalesce {
+		t.Errorf("the read's range request with a profile chunk queued: %d bytes at %d, want %d (ranges asked: %v)", readRange[1], readRange[0], FaultCoalesce, store.ranges)
+	}
+}
+
 // TestFaultBringsItsNeighbours: a page fault told its neighbourhood
 // (WantNear) is fetched first, in one range request with the frames that
 // follow it in the pack, and the frames before it come next, in another:
