@@ -25,6 +25,7 @@ const (
 	profNaive     = "oras pull + runsc restore"
 	profNone      = "cryo restore, cold, no profile"
 	profWith      = "cryo restore, cold, with profile"
+	profWithAlt   = "cryo restore, cold, with profile, alt"
 	profRecording = "cryo restore, cold, recording"
 )
 
@@ -45,7 +46,11 @@ type profSample struct{ answer, bytes float64 }
 // CRYO_BENCH_READ_LOG (below), CRYO_BENCH_RUNSC_FLAGS adds global flags to
 // every runsc the app runs with, on every path: "--debug
 // --debug-log=/tmp/d/%COMMAND%-%TIMESTAMP%.log" logs runsc's restore
-// timeline (its "Timer for Restore" lines) beside the reads of cryo's.
+// timeline (its "Timer for Restore" lines) beside the reads of cryo's;
+// CRYO_BENCH_CRYO_ALT, the path of another cryo binary, replays the
+// profile with it too, after each replay of bin/cryo's (its first
+// answers on stderr, as "with profile, alt"; not in the table), for
+// builds alternated on the same app.
 func BenchmarkProfile(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	gvisortest.GoferDir(b)
@@ -112,16 +117,24 @@ func BenchmarkProfile(b *testing.B) {
 							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
 								args = append(args, "--read-log", log)
 							}
-						case profWith:
+						case profWith, profWithAlt:
 							args = append(args, "--profile", recorded)
 							if log := os.Getenv("CRYO_BENCH_READ_LOG"); log != "" {
-								args = append(args, "--read-log", log+".profile")
+								suffix := ".profile"
+								if path == profWithAlt {
+									suffix = ".alt"
+								}
+								args = append(args, "--read-log", log+suffix)
 							}
 						}
 						for _, f := range app.Flags() {
 							args = append(args, "--runsc-flag="+f)
 						}
-						cmd = exec.Command(cryo, append(args, addr+"/cryo:"+tag, "--bundle="+app.BundleDir(), app.ID())...)
+						bin := cryo
+						if path == profWithAlt {
+							bin = os.Getenv("CRYO_BENCH_CRYO_ALT")
+						}
+						cmd = exec.Command(bin, append(args, addr+"/cryo:"+tag, "--bundle="+app.BundleDir(), app.ID())...)
 					}
 					before := moved()
 					rc := app.StartRestoreWith(b, cmd)
@@ -135,7 +148,7 @@ func BenchmarkProfile(b *testing.B) {
 						_, stderr := rc.Output()
 						fmt.Fprint(os.Stderr, stderr)
 					}
-					if path == profWith {
+					if path == profWith || path == profWithAlt {
 						if _, stderr := rc.Output(); !strings.Contains(stderr, "profile: sha256:") {
 							b.Fatalf("%s: cryo restore did not say it used the profile:\n%s", path, stderr)
 						}
@@ -155,7 +168,11 @@ func BenchmarkProfile(b *testing.B) {
 				ws[key] = p.Bytes()
 				fmt.Fprintf(os.Stderr, "%s %d MiB %s: profile of %d ranges, %.1f MiB\n", hot, mib, link.Name, len(p.Ranges), float64(p.Bytes())/(1<<20))
 				for range reps {
-					for _, path := range []string{profLocal, profNaive, profNone, profWith} {
+					paths := []string{profLocal, profNaive, profNone, profWith}
+					if os.Getenv("CRYO_BENCH_CRYO_ALT") != "" {
+						paths = append(paths, profWithAlt)
+					}
+					for _, path := range paths {
 						if only := os.Getenv("CRYO_BENCH_ONLY"); only != "" && !strings.Contains(path, only) {
 							continue
 						}
