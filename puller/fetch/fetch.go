@@ -739,8 +739,8 @@ func (s *Scheduler) take(p Priority) *call {
 // While profile chunks are left, a read's range request also stops at
 // FaultCoalesce (coalesce), so that one completes sooner and moves less.
 // (256 MiB app on 100 Mbit/s + 25 ms, a 99 MiB profile: moved before its
-// first answer 136 MiB, 116-118 MiB with the last two rules; the answer
-// 11.7 s, 10.0-10.2 s.)
+// first answer 136 MiB, 116-118 MiB with the one-read rule before the
+// sandbox runs and the 1 MiB cap; the answer 11.7 s, 10.0-10.2 s.)
 func (s *Scheduler) next() (*call, Priority) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -782,9 +782,19 @@ func (s *Scheduler) next() (*call, Priority) {
 	}
 }
 
-// profileLeft reports whether profile chunks are queued or in flight.
+// profileLeft reports whether profile chunks are queued or in flight. It
+// drops the stale calls (started or promoted away, as pop skips them) at
+// the head of the profile queue, so that they do not count. s.mu is held.
 func (s *Scheduler) profileLeft() bool {
-	return s.active[Profile] > 0 || len(s.queues[Profile]) > 0
+	if s.active[Profile] > 0 {
+		return true
+	}
+	q := s.queues[Profile]
+	for len(q) > 0 && (q[0].started || q[0].prio != Profile) {
+		q = q[1:]
+	}
+	s.queues[Profile] = q
+	return len(q) > 0
 }
 
 // earlyProfile bounds the profile chunks in flight before the sandbox's
@@ -820,8 +830,9 @@ func (s *Scheduler) SandboxStarted() {
 
 // PeakRate is the highest rate, in stored bytes a second, the
 // scheduler's fetches were measured to deliver (over windows of 250 ms,
-// smoothed), or 0 before any was measured: a lower bound of what the
-// link can carry, which a lull in the fetches does not lower.
+// smoothed), or 0 before any was measured: an estimate of what the link
+// can carry that a lull in the fetches does not lower (a first window
+// that caught another mount's fetch can raise it past the link's rate).
 func (s *Scheduler) PeakRate() float64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -922,17 +933,15 @@ func (s *Scheduler) forgetFrame(cl *call) {
 // neighbours, WantNear), up to FaultCoalesce bytes, but not with the
 // background's: a fault with no neighbourhood moves its own chunk only.
 // While profile chunks are left, a read's request holds at most
-// FaultCoalesce bytes (next says why). With a node-wide InFlight, a call joins the batch only if this
-// scheduler leads its fetch; cl's own flight is joined by run.
+// FaultCoalesce bytes (next says why). With a node-wide InFlight, a call
+// joins the batch only if this scheduler leads its fetch; cl's own flight
+// is joined by run.
 func (s *Scheduler) coalesce(cl *call, p Priority) {
 	end := cl.chunk.PackOffset + cl.chunk.BlobSize
 	total := cl.chunk.BlobSize
-	limit, most := int64(ReadAhead), int64(MaxCoalesce)
-	if p == Fault {
+	limit := int64(ReadAhead)
+	if p == Fault || p == Read && s.profileLeft() {
 		limit = FaultCoalesce
-	}
-	if p == Read && s.profileLeft() {
-		limit, most = FaultCoalesce, FaultCoalesce
 	}
 	// take adds next, whose frame starts at end, to the batch, and
 	// reports whether it did.
@@ -957,7 +966,7 @@ func (s *Scheduler) coalesce(cl *call, p Priority) {
 		return true
 	}
 	q := s.queues[p]
-	for p != Fault && len(q) > 0 && total < most {
+	for p != Fault && len(q) > 0 && total < limit {
 		next := q[0]
 		if next.started || next.prio != p {
 			q = q[1:] // stale: promoted away or running

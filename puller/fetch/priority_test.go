@@ -185,13 +185,13 @@ func TestProfileBesideReadsBeforeTheSandboxRuns(t *testing.T) {
 	}
 }
 
-// TestBackgroundBoundedWhileUrgent: while a profile's chunk is being
+// TestReadsBesideAProfile: while a profile's chunk is being
 // fetched, reads keep one in flight before the sandbox runs (no fault
 // yet: gVisor needs its loader's reads to complete, not to be many) and,
 // once it faults, at most the link's background limit (one, with nothing
 // measured yet); once it is in, they all go. Without a profile, before
 // the sandbox runs, every worker takes a read.
-func TestBackgroundBoundedWhileUrgent(t *testing.T) {
+func TestReadsBesideAProfile(t *testing.T) {
 	for _, c := range []struct {
 		name             string
 		running, profile bool

@@ -154,6 +154,56 @@ func TestReadReadsAheadLessWhileAProfileLoads(t *testing.T) {
 	}
 }
 
+// TestProfileLeftIgnoresStaleCalls: a profile chunk a page fault took
+// over leaves a stale entry in the profile queue; once every profile
+// chunk is in, a read reads ahead in full again (ReadAhead), whatever
+// the queue still holds.
+func TestProfileLeftIgnoresStaleCalls(t *testing.T) {
+	c, codec := setup(t)
+	const size = 32 << 10
+	cs, b := packedChunks(1, 160, size)
+	pcs, pb := rawChunks(500, 2, 4096)
+	store := &rangeLog{gate: newGate(merged(b, pb))}
+	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
+	ctx := context.Background()
+	prof := s.FetchProfile(pcs)
+	wait(t, store.entered, "the first profile chunk's fetch")
+	fault := get(s, ctx, pcs[1]) // the second, queued: promoted to a fault
+	eventually(t, "the profile chunk promoted to a fault", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		cl := s.calls[keyOf(pcs[1])]
+		return cl != nil && cl.prio == Fault
+	})
+	rest := s.Prefetch(cs[11:])
+	read := make(chan result, 1)
+	go func() { data, err := s.Get(ctx, cs[10], nil, Read); read <- result{data, err} }()
+	eventually(t, "the read queued", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return len(s.queues[Read]) == 1
+	})
+	store.open()
+	if r := wait(t, fault, "fault"); r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r := wait(t, read, "read"); r.err != nil {
+		t.Fatal(r.err)
+	}
+	for _, p := range append(prof, rest...) {
+		if err := p.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	for _, r := range store.ranges {
+		if r[0] == cs[10].PackOffset && r[1] != ReadAhead {
+			t.Errorf("the read's range request after the profile was in: %d bytes, want %d (ranges asked: %v)", r[1], ReadAhead, store.ranges)
+		}
+	}
+}
+
 // TestFaultBringsItsNeighbours: a page fault told its neighbourhood
 // (WantNear) is fetched first, in one range request with the frames that
 // follow it in the pack, and the frames before it come next, in another:
