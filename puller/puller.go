@@ -73,14 +73,17 @@ type Options struct {
 	// where a restore waits.
 	ReadLog io.Writer
 	// RecordFor bounds how long a mount records its working set after the
-	// sandbox's first read of pages.img (default profile.DefaultRecordFor).
+	// sandbox's first read of pages.img (default profile.DefaultRecordFor),
+	// and so how long a recording holds its sweep.
 	RecordFor time.Duration
 	// RecordSweepRate, if > 0, holds the background sweep of pages.img by
-	// the sandbox's loader to this many bytes a second for RecordHoldFor
-	// after its first read, so that it does not load the app's windows
-	// before the app faults on them and the recorded working set holds
-	// them all (sweephold.go; DefaultRecordSweepRate). For restores that
-	// record a profile to publish; page faults are never held.
+	// the sandbox's loader to at most this many bytes a second (less on a
+	// slow link) for RecordHoldFor after the first read of pages.img and
+	// RecordHoldFor after each page fault, never past RecordFor, so that
+	// it does not load the app's windows before the app faults on them and
+	// the recorded working set holds them all (sweephold.go;
+	// DefaultRecordSweepRate). For restores that record a profile to
+	// publish; page faults are never held.
 	RecordSweepRate float64
 	// Peers, if set, is the node's pool of peer pullers (peer.Pool): every
 	// load asks a chunk's owner among them before its endpoints, for
@@ -227,8 +230,8 @@ type Progress struct {
 	FetchedChunks int     `json:"fetchedChunks"`
 	// Profile is the working-set profile the load fetched first, if any.
 	Profile *profile.Info `json:"profile,omitempty"`
-	// RecordSweepRate is the rate, in bytes a second, this mount holds
-	// the sandbox's sweep of pages.img to while it records its profile
+	// RecordSweepRate is the highest rate, in bytes a second, this mount
+	// holds the sandbox's sweep of pages.img to while it records its profile
 	// (Options.RecordSweepRate, or the mount's own MountOptions or
 	// FilesOptions.RecordSweepRate); 0: not held, as for a materialized
 	// or eager mount, which has no sweep to hold.
@@ -299,10 +302,15 @@ type load struct {
 	// runsWhenTold: the sandbox runs when Mount.SandboxStarted says so
 	// (FilesOptions.RunsWhenTold).
 	runsWhenTold bool
-	sandboxRead  chan struct{}
-	sandboxOnce  sync.Once
-	sched        *fetch.Scheduler
-	pinned       []digest.Digest
+	// holdEnd, if set, is when a recording mount's hold of the sweep ends
+	// (sweepHold.end): the background fetches past pages.img's lead wait
+	// for it too, or they would take the link from the app's page faults
+	// while the sweep, held, leaves them room.
+	holdEnd     func() time.Time
+	sandboxRead chan struct{}
+	sandboxOnce sync.Once
+	sched       *fetch.Scheduler
+	pinned      []digest.Digest
 	// asm is the snapshot's image dir the chunks are written into as they
 	// come (cache.Assemble), committed as its materialized dir at the end.
 	asm *cache.Assembly
@@ -548,6 +556,11 @@ func (l *load) fetchAll(ctx context.Context, files []int) error {
 		}
 		for _, all := range segments {
 			for len(all) > 0 {
+				if i > 0 {
+					if err := l.waitHold(ctx); err != nil {
+						return err
+					}
+				}
 				part := window(all, ahead/2)
 				all = all[len(part):]
 				if err := l.queue(ctx, part, &q); err != nil {
@@ -707,6 +720,28 @@ func (l *load) waitSandbox(ctx context.Context) error {
 		return ctx.Err()
 	}
 	return nil
+}
+
+// waitHold returns once a recording's hold of the sweep has ended (at
+// once without one, or before it started), or with ctx's error once it
+// ended. A fault can extend the hold while it waits.
+func (l *load) waitHold(ctx context.Context) error {
+	if l.holdEnd == nil {
+		return nil
+	}
+	for {
+		d := time.Until(l.holdEnd())
+		if d <= 0 {
+			return nil
+		}
+		t := time.NewTimer(d)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		}
+	}
 }
 
 // sandboxReads says a sandbox reads pages.img: its loader runs, and the
@@ -974,6 +1009,9 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 		recordFor = profile.DefaultRecordFor
 	}
 	m.hold = newSweepHold(holdRate, l.sched.PeakRate, recordFor)
+	if m.hold != nil {
+		l.holdEnd = m.hold.end
+	}
 	m.files = make([]imagefs.File, len(l.snap.Files))
 	for i, f := range l.snap.Files {
 		m.files[i] = imagefs.File{Path: f.Path, Size: f.Size, Mode: uint32(f.Mode), Span: func(ctx context.Context, off, n int64) ([]format.Chunk, error) {
@@ -1322,7 +1360,10 @@ func (m *Mount) Snapshot() *format.Snapshot { return m.l.snap }
 func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	waited = m.rec.Read(path, off, n)
 	if path == format.PagesFile && (waited || n < imagefs.FaultBelow) {
-		// A fault, of either kind, makes a recording's hold last.
+		// A fault, of either kind, makes a recording's hold last. (A
+		// sweep read of runsc's restore taken for a fault, see above,
+		// extends it too, while the hold's first RecordHoldFor runs
+		// anyway.)
 		m.hold.faulted(time.Now())
 		if n < imagefs.FaultBelow {
 			m.sandboxFaulted()
@@ -1330,8 +1371,8 @@ func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	}
 	if !waited && path == format.PagesFile && n >= imagefs.FaultBelow {
 		// The sweep's read, held while a recording holds it (FUSE gives
-		// the callback no ctx: the hold's rate and RecordHoldFor bound
-		// the wait).
+		// the callback no ctx: the hold's end, at most RecordFor after
+		// it started, bounds the wait).
 		m.hold.wait(context.Background(), n)
 	}
 	return waited

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cryo-oci/cryo/puller/profile"
 	"golang.org/x/time/rate"
 )
 
@@ -17,11 +18,12 @@ import (
 // 256 MiB app's recording caught 35 MiB of its 99 MiB of windows.
 //
 // A recording mount (Options.RecordSweepRate) therefore holds the sweep's
-// reads to a rate well below the app's: the fixed rate, or an eighth of
-// the highest rate the load's fetches were measured at (holdShare) if that
+// reads to a rate well below the app's: the fixed rate, or the highest
+// rate the load's fetches were measured at divided by holdDivisor if that
 // is lower, but never below minHoldRate. The hold lasts RecordHoldFor from
-// the sweep's first read, and while the app faults: until RecordHoldFor
-// after its last page fault, never past the recording's end. The app's
+// the first read of pages.img (the sweep's or a fault's: the recorder's
+// clock starts there too), and while the app faults: until RecordHoldFor
+// after its last page fault; never past the recording's end. The app's
 // faults, not held, then reach the recorder for every window the app
 // touches, except those the held sweep still gets to first (the first
 // bytes of pages.img it reads while held). What is held is what the
@@ -45,13 +47,13 @@ import (
 // while a recording holds it: a 32 MiB window every two seconds.
 const DefaultRecordSweepRate = 16 << 20
 
-// RecordHoldFor is how long a recording holds the sweep after its first
-// read, and after each page fault.
+// RecordHoldFor is how long a recording holds the sweep after the first
+// read of pages.img, and after each page fault.
 const RecordHoldFor = 10 * time.Second
 
-// holdShare is the share of the link's peak rate the held sweep gets at
-// most: on 1 Gbit/s about the fixed rate, on 100 Mbit/s 1.5 MiB/s.
-const holdShare = 8
+// holdDivisor divides the link's peak rate into the most the held sweep
+// gets: on 1 Gbit/s about the fixed rate, on 100 Mbit/s 1.5 MiB/s.
+const holdDivisor = 8
 
 // minHoldRate is the lowest rate a hold holds the sweep to: gVisor's
 // loader issues a fault's reads once one of its reads completes, so a
@@ -64,8 +66,8 @@ const minHoldRate = 1 << 20
 const holdBurst = 4 << 20
 
 // sweepHold holds a recording mount's sweep reads to its limiter's rate,
-// from the first of them for RecordHoldFor, longer while the sandbox
-// faults. A nil sweepHold holds nothing.
+// from the first read of pages.img for RecordHoldFor, longer while the
+// sandbox faults, never past recordFor. A nil sweepHold holds nothing.
 type sweepHold struct {
 	lim   *rate.Limiter
 	fixed float64
@@ -76,16 +78,20 @@ type sweepHold struct {
 	recordFor time.Duration
 
 	mu    sync.Mutex
-	start time.Time // the first sweep read
+	start time.Time // the first read of pages.img
 	until time.Time
 }
 
-// newSweepHold returns a hold at most at bytesPerSec, a share of peak's
-// rate if that is lower (peak may be nil), lasting at most recordFor;
-// or nil if bytesPerSec <= 0.
+// newSweepHold returns a hold at most at bytesPerSec, peak's rate over
+// holdDivisor if that is lower (peak may be nil), lasting at most
+// recordFor (<= 0: profile.DefaultRecordFor, as the recorder's); or nil if
+// bytesPerSec <= 0.
 func newSweepHold(bytesPerSec float64, peak func() float64, recordFor time.Duration) *sweepHold {
 	if bytesPerSec <= 0 {
 		return nil
+	}
+	if recordFor <= 0 {
+		recordFor = profile.DefaultRecordFor
 	}
 	if peak == nil {
 		peak = func() float64 { return 0 }
@@ -101,35 +107,52 @@ func (h *sweepHold) rate() float64 {
 	return h.fixed
 }
 
-// holdRate is the rate the sweep is held to now: the fixed rate, or a
-// share of the peak rate if lower, but not below minHoldRate (nor above
-// the fixed rate).
-func (h *sweepHold) holdRate() float64 {
+// currentRate is the rate the sweep is held to now: the fixed rate, or
+// the peak rate over holdDivisor if lower, but not below minHoldRate (nor
+// above the fixed rate).
+func (h *sweepHold) currentRate() float64 {
 	r := h.fixed
 	if p := h.peak(); p > 0 {
-		r = min(r, max(p/holdShare, minHoldRate))
+		r = min(r, max(p/holdDivisor, minHoldRate))
 	}
 	return r
 }
 
-// faulted extends the hold, once it has started, to RecordHoldFor after
-// a page fault at now, as far as recordFor from its start.
+// extendLocked starts the hold at now if it has not started, and makes it
+// last until RecordHoldFor after now, as far as recordFor from its start.
+// It returns the hold's end. h.mu is held.
+func (h *sweepHold) extendLocked(now time.Time) time.Time {
+	if h.start.IsZero() {
+		h.start = now
+	}
+	end := now.Add(RecordHoldFor)
+	if last := h.start.Add(h.recordFor); end.After(last) {
+		end = last
+	}
+	if end.After(h.until) {
+		h.until = end
+	}
+	return h.until
+}
+
+// end is when the hold ends as it stands (a fault can extend it), zero
+// before it started.
+func (h *sweepHold) end() time.Time {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.until
+}
+
+// faulted makes the hold last RecordHoldFor after a page fault at now (as
+// far as recordFor from its start), starting it if this is the first read
+// of pages.img.
 func (h *sweepHold) faulted(now time.Time) {
 	if h == nil {
 		return
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.start.IsZero() {
-		return
-	}
-	end := now.Add(RecordHoldFor)
-	if last := h.start.Add(h.recordFor); h.recordFor > 0 && end.After(last) {
-		end = last
-	}
-	if end.After(h.until) {
-		h.until = end
-	}
+	h.extendLocked(now)
 }
 
 // wait holds a sweep read of n bytes for its turn at the rate, while the
@@ -142,15 +165,15 @@ func (h *sweepHold) wait(ctx context.Context, n int64) {
 	}
 	now := time.Now()
 	h.mu.Lock()
-	if h.start.IsZero() {
-		h.start, h.until = now, now.Add(RecordHoldFor)
-	}
 	until := h.until
+	if h.start.IsZero() {
+		until = h.extendLocked(now)
+	}
 	h.mu.Unlock()
 	if !now.Before(until) {
 		return
 	}
-	if r := rate.Limit(h.holdRate()); r != h.lim.Limit() {
+	if r := rate.Limit(h.currentRate()); r != h.lim.Limit() {
 		h.lim.SetLimitAt(now, r)
 	}
 	r := h.lim.ReserveN(now, int(min(n, holdBurst)))

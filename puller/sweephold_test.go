@@ -165,24 +165,26 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 }
 
 // TestSweepHoldShareOfThePeak: the held sweep's rate is the fixed rate,
-// or an eighth of the load's peak rate if lower (so that the hold binds
-// on a link slower than the fixed rate), never below minHoldRate; each
-// wait sets its limiter to it.
+// or the load's peak rate over holdDivisor if lower (so that the hold
+// binds on a link slower than the fixed rate), never below minHoldRate;
+// each wait sets its limiter to it, as the peak changes.
 func TestSweepHoldShareOfThePeak(t *testing.T) {
 	const fixed = 16 << 20
+	var peak float64
+	h := newSweepHold(fixed, func() float64 { return peak }, time.Minute)
 	for _, c := range []struct {
 		name       string
 		peak, want float64
 	}{
 		{"unmeasured", 0, fixed},
-		{"1 Gbit/s", 1e9 / 8, 1e9 / 8 / holdShare},
+		{"1 Gbit/s", 1e9 / 8, 1e9 / 8 / holdDivisor},
 		{"10 Gbit/s", 10e9 / 8, fixed},
-		{"100 Mbit/s", 100e6 / 8, 100e6 / 8 / holdShare},
+		{"100 Mbit/s", 100e6 / 8, 100e6 / 8 / holdDivisor},
 		{"10 Mbit/s", 10e6 / 8, minHoldRate},
+		{"1 Gbit/s again", 1e9 / 8, 1e9 / 8 / holdDivisor},
 	} {
-		peak := c.peak
-		h := newSweepHold(fixed, func() float64 { return peak }, time.Minute)
-		h.wait(context.Background(), 4096)
+		peak = c.peak
+		h.wait(context.Background(), 1)
 		if got := float64(h.lim.Limit()); got != c.want {
 			t.Errorf("%s (peak %.0f B/s): held to %.0f B/s, want %.0f", c.name, peak, got, c.want)
 		}
@@ -191,40 +193,99 @@ func TestSweepHoldShareOfThePeak(t *testing.T) {
 		}
 	}
 	// Below minHoldRate the fixed rate still wins.
-	h := newSweepHold(1000, func() float64 { return 1e9 }, time.Minute)
-	h.wait(context.Background(), 1)
-	if got := h.lim.Limit(); got != 1000 {
+	low := newSweepHold(1000, func() float64 { return 1e9 }, time.Minute)
+	low.wait(context.Background(), 1)
+	if got := low.lim.Limit(); got != 1000 {
 		t.Errorf("a fixed rate of 1000 B/s on a fast link: held to %.0f B/s", got)
 	}
 }
 
-// TestSweepHoldLastsWhileTheAppFaults: a page fault extends the hold to
-// RecordHoldFor after it, but not past the recording's end, and does
-// nothing before the hold has started.
+// TestSweepHoldLastsWhileTheAppFaults: the hold starts at the first read
+// of pages.img, a sweep read's or a fault's; a page fault extends it to
+// RecordHoldFor after it; and it never lasts past the recording's end
+// (recordFor from its start), even its first RecordHoldFor.
 func TestSweepHoldLastsWhileTheAppFaults(t *testing.T) {
 	h := newSweepHold(1<<20, nil, 30*time.Second)
-	before := time.Now()
-	h.faulted(before)
-	if !h.until.IsZero() {
-		t.Fatal("a fault before the sweep's first read started the hold")
-	}
 	h.wait(context.Background(), 1)
 	start := h.start
-	if start.IsZero() || h.until != start.Add(RecordHoldFor) {
+	if start.IsZero() || !h.until.Equal(start.Add(RecordHoldFor)) {
 		t.Fatalf("after the first read: start %v, until %v, want until start+%v", start, h.until, RecordHoldFor)
 	}
 	h.faulted(start.Add(5 * time.Second))
-	if want := start.Add(5*time.Second + RecordHoldFor); h.until != want {
+	if want := start.Add(5*time.Second + RecordHoldFor); !h.until.Equal(want) {
 		t.Errorf("a fault at 5 s: hold until +%v, want +%v", h.until.Sub(start), want.Sub(start))
 	}
 	h.faulted(start.Add(time.Second))
-	if want := start.Add(5*time.Second + RecordHoldFor); h.until != want {
+	if want := start.Add(5*time.Second + RecordHoldFor); !h.until.Equal(want) {
 		t.Errorf("an earlier fault shortened the hold to +%v", h.until.Sub(start))
 	}
 	h.faulted(start.Add(25 * time.Second))
-	if want := start.Add(30 * time.Second); h.until != want {
+	if want := start.Add(30 * time.Second); !h.until.Equal(want) {
 		t.Errorf("a fault at 25 s: hold until +%v, want the recording's end, +30s", h.until.Sub(start))
+	}
+
+	// A fault first starts the hold; a recording shorter than
+	// RecordHoldFor bounds it from the start.
+	short := newSweepHold(1<<20, nil, 3*time.Second)
+	t0 := time.Now()
+	short.faulted(t0)
+	if !short.start.Equal(t0) || !short.until.Equal(t0.Add(3*time.Second)) {
+		t.Errorf("a first fault, recording for 3 s: start %v, until +%v; want %v, +3s", short.start, short.until.Sub(t0), t0)
+	}
+	if !short.end().Equal(short.until) {
+		t.Errorf("end() %v, want %v", short.end(), short.until)
 	}
 	var none *sweepHold
 	none.faulted(time.Now()) // a mount that holds nothing
+}
+
+// TestBackgroundWaitsForTheHold: while a recording holds its sweep, the
+// puller's own background load past pages.img's lead waits too (it would
+// take the link from the app's faults); once the hold ends, it loads.
+func TestBackgroundWaitsForTheHold(t *testing.T) {
+	r := startReg(t)
+	_, s := pushV2(t, r, "app", synth.Random, sandboxLead+8<<20, 9)
+	ctx := context.Background()
+	// Recording for 3 s bounds the hold to 3 s from its start.
+	p := newPuller(t, Options{RecordSweepRate: 64 << 20, RecordFor: 3 * time.Second})
+	m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Unmount()
+	short, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	// The sandbox's first read, a sweep read at the file's start, starts
+	// the hold.
+	if err := m.ReadAt(short, format.PagesFile, make([]byte, 4096), 0, fetch.Read); err != nil {
+		t.Fatal(err)
+	}
+	var past []format.Chunk
+	for _, c := range snapshotChunksOf(t, s, format.PagesFile) {
+		if c.Offset >= sandboxLead && c.Encoding != format.EncodingZero {
+			past = append(past, c)
+		}
+	}
+	if len(past) == 0 {
+		t.Fatal("no chunk past the lead")
+	}
+	loaded := func() (n int) {
+		for _, c := range past {
+			if p.cache.Has(c.Digest) {
+				n++
+			}
+		}
+		return n
+	}
+	// Time for the 8 MiB past the lead to load on loopback, were they not
+	// held; checked only if the hold still lasts.
+	time.Sleep(time.Second)
+	if n := loaded(); time.Now().Before(m.hold.end()) && n > 0 {
+		t.Errorf("%d of %d chunks past the lead loaded while the hold lasts", n, len(past))
+	}
+	for deadline := time.Now().Add(time.Minute); loaded() < len(past); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the hold: %d of %d chunks past the lead loaded", loaded(), len(past))
+		}
+	}
 }

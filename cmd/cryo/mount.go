@@ -32,7 +32,7 @@ type pullerFlags struct {
 	recordFor time.Duration
 	// recording is set by a command that writes or publishes the working
 	// set (--record-profile, --publish-profile): the sweep is then held at
-	// sweepRate (--record-sweep-rate).
+	// most at sweepRate (--record-sweep-rate).
 	recording bool
 	sweepRate int64
 	// client is shared by every reference resolved (the daemon's too),
@@ -63,7 +63,7 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 // record a profile (recordFlags: --record-profile, and --publish-profile
 // where there is one).
 func (f *pullerFlags) registerRecording(cmd *cobra.Command, recordFlags string) {
-	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, fmt.Sprintf("with %s: most bytes a second gVisor's background load of pages.img is held to (an eighth of the link's measured rate if lower) for its first %s and until %s after the app's last page fault, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)", recordFlags, puller.RecordHoldFor, puller.RecordHoldFor))
+	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, fmt.Sprintf("with %s: most bytes a second gVisor's background load of pages.img is held to (an eighth of the link's measured rate if lower, not below 1 MiB/s) for its first %s and until %s after the app's last page fault, never past --record-for, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)", recordFlags, puller.RecordHoldFor, puller.RecordHoldFor))
 }
 
 // warnSweepRate says on stderr that --record-sweep-rate, given, does
