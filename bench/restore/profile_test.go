@@ -47,10 +47,11 @@ type profSample struct{ answer, bytes float64 }
 // every runsc the app runs with, on every path: "--debug
 // --debug-log=/tmp/d/%COMMAND%-%TIMESTAMP%.log" logs runsc's restore
 // timeline (its "Timer for Restore" lines) beside the reads of cryo's;
-// CRYO_BENCH_CRYO_ALT, the path of another cryo binary, replays the
-// profile with it too, after each replay of bin/cryo's (its first
+// CRYO_BENCH_CRYO_ALT, the path of another cryo binary beside
+// bin/cryo-gofer (it finds the gofer beside itself), replays the profile
+// with it too, before or after each replay of bin/cryo's in turn (its first
 // answers on stderr, as "with profile, alt"; not in the table), for
-// builds alternated on the same app.
+// builds alternated on the same app: the recording is bin/cryo's.
 func BenchmarkProfile(b *testing.B) {
 	runsc := gvisortest.Runsc(b)
 	gvisortest.GoferDir(b)
@@ -132,7 +133,10 @@ func BenchmarkProfile(b *testing.B) {
 						}
 						bin := cryo
 						if path == profWithAlt {
-							bin = os.Getenv("CRYO_BENCH_CRYO_ALT")
+							var err error
+							if bin, err = filepath.Abs(os.Getenv("CRYO_BENCH_CRYO_ALT")); err != nil {
+								b.Fatal(err)
+							}
 						}
 						cmd = exec.Command(bin, append(args, addr+"/cryo:"+tag, "--bundle="+app.BundleDir(), app.ID())...)
 					}
@@ -167,10 +171,13 @@ func BenchmarkProfile(b *testing.B) {
 				}
 				ws[key] = p.Bytes()
 				fmt.Fprintf(os.Stderr, "%s %d MiB %s: profile of %d ranges, %.1f MiB\n", hot, mib, link.Name, len(p.Ranges), float64(p.Bytes())/(1<<20))
-				for range reps {
+				for rep := range reps {
 					paths := []string{profLocal, profNaive, profNone, profWith}
 					if os.Getenv("CRYO_BENCH_CRYO_ALT") != "" {
 						paths = append(paths, profWithAlt)
+						if rep%2 == 1 {
+							paths[3], paths[4] = profWithAlt, profWith
+						}
 					}
 					for _, path := range paths {
 						if only := os.Getenv("CRYO_BENCH_ONLY"); only != "" && !strings.Contains(path, only) {
