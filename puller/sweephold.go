@@ -67,7 +67,7 @@ const holdBurst = 4 << 20
 
 // sweepHold holds a recording mount's sweep reads to its limiter's rate,
 // from the first read of pages.img for RecordHoldFor, longer while the
-// sandbox faults, never past recordFor. A nil sweepHold holds nothing.
+// sandbox faults, never past the recording. A nil sweepHold holds nothing.
 type sweepHold struct {
 	lim   *rate.Limiter
 	fixed float64
@@ -84,7 +84,8 @@ type sweepHold struct {
 
 // newSweepHold returns a hold at most at bytesPerSec, peak's rate over
 // holdDivisor if that is lower (peak may be nil), lasting at most
-// recordFor (<= 0: profile.DefaultRecordFor, as the recorder's); or nil if
+// as the recording bounded by recordFor does (<= 0:
+// profile.DefaultRecordFor, as the recorder's); or nil if
 // bytesPerSec <= 0.
 func newSweepHold(bytesPerSec float64, peak func() float64, recordFor time.Duration) *sweepHold {
 	if bytesPerSec <= 0 {
@@ -118,19 +119,24 @@ func (h *sweepHold) currentRate() float64 {
 	return r
 }
 
-// extendLocked starts the hold at now if it has not started, and makes it
-// last until RecordHoldFor after now, as far as recordFor from its start.
-// It returns the hold's end. h.mu is held.
-func (h *sweepHold) extendLocked(now time.Time) time.Time {
+// extendLocked starts the hold at now if it has not started, for
+// RecordHoldFor or the recording's bound if shorter, and after a page
+// fault makes it last until RecordHoldFor after now, as far as the
+// longest recording (profile.MaxRecording) from its start: a recording
+// goes on as long (profile.RecordQuiet). It returns the hold's end. h.mu
+// is held.
+func (h *sweepHold) extendLocked(now time.Time, fault bool) time.Time {
 	if h.start.IsZero() {
-		h.start = now
+		h.start, h.until = now, now.Add(min(RecordHoldFor, h.recordFor))
 	}
-	end := now.Add(RecordHoldFor)
-	if last := h.start.Add(h.recordFor); end.After(last) {
-		end = last
-	}
-	if end.After(h.until) {
-		h.until = end
+	if fault {
+		end := now.Add(RecordHoldFor)
+		if last := h.start.Add(profile.MaxRecording(h.recordFor)); end.After(last) {
+			end = last
+		}
+		if end.After(h.until) {
+			h.until = end
+		}
 	}
 	return h.until
 }
@@ -144,15 +150,15 @@ func (h *sweepHold) end() time.Time {
 }
 
 // faulted makes the hold last RecordHoldFor after a page fault at now (as
-// far as recordFor from its start), starting it if this is the first read
-// of pages.img.
+// far as the longest recording from its start), starting it if this is
+// the first read of pages.img.
 func (h *sweepHold) faulted(now time.Time) {
 	if h == nil {
 		return
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.extendLocked(now)
+	h.extendLocked(now, true)
 }
 
 // wait holds a sweep read of n bytes for its turn at the rate, while the
@@ -167,7 +173,7 @@ func (h *sweepHold) wait(ctx context.Context, n int64) {
 	h.mu.Lock()
 	until := h.until
 	if h.start.IsZero() {
-		until = h.extendLocked(now)
+		until = h.extendLocked(now, false)
 	}
 	h.mu.Unlock()
 	if !now.Before(until) {

@@ -201,9 +201,10 @@ func TestSweepHoldShareOfThePeak(t *testing.T) {
 }
 
 // TestSweepHoldLastsWhileTheAppFaults: the hold starts at the first read
-// of pages.img, a sweep read's or a fault's; a page fault extends it to
-// RecordHoldFor after it; and it never lasts past the recording's end
-// (recordFor from its start), even its first RecordHoldFor.
+// of pages.img, for RecordHoldFor or the recording's bound if shorter; a
+// page fault extends it to RecordHoldFor after it (as the recording
+// goes on RecordQuiet after it), never past the longest recording
+// (profile.MaxRecording) from its start; a first fault starts it.
 func TestSweepHoldLastsWhileTheAppFaults(t *testing.T) {
 	h := newSweepHold(1<<20, nil, 30*time.Second)
 	h.wait(context.Background(), 1)
@@ -211,29 +212,41 @@ func TestSweepHoldLastsWhileTheAppFaults(t *testing.T) {
 	if start.IsZero() || !h.until.Equal(start.Add(RecordHoldFor)) {
 		t.Fatalf("after the first read: start %v, until %v, want until start+%v", start, h.until, RecordHoldFor)
 	}
-	h.faulted(start.Add(5 * time.Second))
-	if want := start.Add(5*time.Second + RecordHoldFor); !h.until.Equal(want) {
-		t.Errorf("a fault at 5 s: hold until +%v, want +%v", h.until.Sub(start), want.Sub(start))
-	}
-	h.faulted(start.Add(time.Second))
-	if want := start.Add(5*time.Second + RecordHoldFor); !h.until.Equal(want) {
-		t.Errorf("an earlier fault shortened the hold to +%v", h.until.Sub(start))
-	}
-	h.faulted(start.Add(25 * time.Second))
-	if want := start.Add(30 * time.Second); !h.until.Equal(want) {
-		t.Errorf("a fault at 25 s: hold until +%v, want the recording's end, +30s", h.until.Sub(start))
+	for _, c := range []struct {
+		fault, want time.Duration
+	}{
+		{5 * time.Second, 5*time.Second + RecordHoldFor},
+		{time.Second, 5*time.Second + RecordHoldFor}, // an earlier fault shortens nothing
+		{25 * time.Second, 25*time.Second + RecordHoldFor},
+		{115 * time.Second, 120 * time.Second}, // MaxRecording(30 s)
+	} {
+		h.faulted(start.Add(c.fault))
+		if !h.until.Equal(start.Add(c.want)) {
+			t.Errorf("a fault at %v: hold until +%v, want +%v", c.fault, h.until.Sub(start), c.want)
+		}
 	}
 
-	// A fault first starts the hold; a recording shorter than
-	// RecordHoldFor bounds it from the start.
+	// A recording bounded at 3 s holds the sweep 3 s from its first read,
+	// and a fault then 10 s after it, up to 12 s (4 x 3 s).
 	short := newSweepHold(1<<20, nil, 3*time.Second)
-	t0 := time.Now()
-	short.faulted(t0)
-	if !short.start.Equal(t0) || !short.until.Equal(t0.Add(3*time.Second)) {
-		t.Errorf("a first fault, recording for 3 s: start %v, until +%v; want %v, +3s", short.start, short.until.Sub(t0), t0)
+	short.wait(context.Background(), 1)
+	t0 := short.start
+	if !short.until.Equal(t0.Add(3 * time.Second)) {
+		t.Errorf("recording for 3 s: hold until +%v, want +3s", short.until.Sub(t0))
 	}
-	if !short.end().Equal(short.until) {
-		t.Errorf("end() %v, want %v", short.end(), short.until)
+	short.faulted(t0.Add(time.Second))
+	if !short.until.Equal(t0.Add(11 * time.Second)) {
+		t.Errorf("recording for 3 s, a fault at 1 s: hold until +%v, want +11s", short.until.Sub(t0))
+	}
+	short.faulted(t0.Add(5 * time.Second))
+	if !short.end().Equal(t0.Add(12 * time.Second)) {
+		t.Errorf("recording for 3 s, a fault at 5 s: hold until +%v, want +12s", short.end().Sub(t0))
+	}
+	first := newSweepHold(1<<20, nil, 30*time.Second)
+	f0 := time.Now()
+	first.faulted(f0)
+	if !first.start.Equal(f0) || !first.until.Equal(f0.Add(RecordHoldFor)) {
+		t.Errorf("a first fault: start %v, until +%v; want %v, +%v", first.start, first.until.Sub(f0), f0, RecordHoldFor)
 	}
 	var none *sweepHold
 	none.faulted(time.Now()) // a mount that holds nothing

@@ -55,7 +55,7 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 	fl.StringVar(&f.prefetch, "prefetch-list", "", "retired: use --profile FILE")
 	fl.MarkHidden("prefetch-list")
 	fl.StringVar(&f.profile, "profile", "auto", profileHelp)
-	fl.DurationVar(&f.recordFor, "record-for", 0, "how long after the sandbox's first read of pages.img a mount records its working set (default 30s)")
+	fl.DurationVar(&f.recordFor, "record-for", 0, "how long after the sandbox's first read of pages.img a mount records its working set (default 30s); it goes on until 10s after the app's last page fault, at most 4 times as long")
 	f.peer.register(cmd)
 }
 

@@ -132,8 +132,9 @@ func TestMerge(t *testing.T) {
 
 // TestRecorder: waited reads are recorded in first-access order with
 // their times, bytes already recorded add nothing, adjacent reads asked
-// for together join, FUSE reads are told apart by the classifier, and
-// nothing is recorded after the bound.
+// for together join, FUSE reads are told apart by the classifier, a page
+// fault extends the bound, and nothing is recorded after the longest
+// recording (MaxRecording).
 func TestRecorder(t *testing.T) {
 	start := time.Unix(1000, 0)
 	now := start
@@ -149,13 +150,16 @@ func TestRecorder(t *testing.T) {
 	now = start.Add(300 * time.Millisecond)
 	r.Read("pages.img", 90*mib, 4096)        // a fault far ahead
 	r.Waited("checkpoint.img", 0, 100)       // other files: waited on
-	now = start.Add(1200 * time.Millisecond) // past a second after the first read
+	now = start.Add(1200 * time.Millisecond) // past a second after the first read, but the faults extended it
 	r.Waited("pages.img", 70*mib, mib)
+	now = start.Add(4200 * time.Millisecond) // past MaxRecording (4 s) after the first read
+	r.Waited("pages.img", 60*mib, mib)
 	got := r.Profile()
 	want := []Range{
 		{Path: "pages.img", Offset: 40 * mib, Length: 2 * mib, AtMillis: 0},
 		{Path: "pages.img", Offset: 90 * mib, Length: 4096, AtMillis: 200},
 		{Path: "checkpoint.img", Offset: 0, Length: 100, AtMillis: 200},
+		{Path: "pages.img", Offset: 70 * mib, Length: mib, AtMillis: 1100},
 	}
 	if !reflect.DeepEqual(got.Ranges, want) || got.Subject != subject {
 		t.Errorf("recorded %+v, want %+v", got.Ranges, want)
@@ -163,8 +167,36 @@ func TestRecorder(t *testing.T) {
 	r.Stop()
 	now = start.Add(200 * time.Millisecond)
 	r.Waited("pages.img", 80*mib, mib)
-	if n := len(r.Profile().Ranges); n != 3 {
-		t.Errorf("%d ranges after Stop, want 3", n)
+	if n := len(r.Profile().Ranges); n != 4 {
+		t.Errorf("%d ranges after Stop, want 4", n)
+	}
+}
+
+// TestRecorderGoesOnWhileTheAppFaults: past its bound, a recording goes
+// on until RecordQuiet after the last page fault it recorded, not after
+// a read of another file, and stops once the app has not faulted for
+// that long.
+func TestRecorderGoesOnWhileTheAppFaults(t *testing.T) {
+	start := time.Unix(1000, 0)
+	now := start
+	r := NewRecorder(subject, 20*time.Second)
+	r.now = func() time.Time { return now }
+	const mib = 1 << 20
+	at := func(d time.Duration, path string, off int64) {
+		now = start.Add(d)
+		r.Waited(path, off, mib)
+	}
+	at(0, "pages.img", 0)
+	at(15*time.Second, "pages.img", 10*mib) // extends the bound to 25 s
+	at(24*time.Second, "pages.img", 20*mib) // recorded; extends it to 34 s
+	at(30*time.Second, "checkpoint.img", 0) // recorded; extends nothing
+	at(35*time.Second, "pages.img", 30*mib) // 11 s after the last fault: not recorded
+	var offs []int64
+	for _, rg := range r.Profile().Ranges {
+		offs = append(offs, rg.Offset)
+	}
+	if want := []int64{0, 10 * mib, 20 * mib, 0}; !reflect.DeepEqual(offs, want) {
+		t.Errorf("recorded offsets %v, want %v", offs, want)
 	}
 }
 

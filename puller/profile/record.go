@@ -17,9 +17,20 @@ import (
 // on its own schedule, stays out of the profile.
 const DefaultRecordFor = 30 * time.Second
 
+// RecordQuiet is how long a recording goes on after the app's last page
+// fault on pages.img, past its bound: an app that still faults is still
+// getting to its first answers (on a slow link a 2 GiB app's took 41 s).
+const RecordQuiet = 10 * time.Second
+
+// MaxRecording is the longest a recording bounded by recFor lasts, page
+// faults or not: four times recFor (2 minutes by default).
+func MaxRecording(recFor time.Duration) time.Duration { return 4 * recFor }
+
 // Recorder records a restore's working set: the reads a sandbox waited
 // on, in first-access order, from when it started (the mount's start)
-// until recFor after the first read of pages.img (times counted from it), at most MaxRanges
+// until recFor after the first read of pages.img (times counted from it),
+// or RecordQuiet after the last page fault recorded if that is later, at
+// most MaxRecording(recFor) after that first read; at most MaxRanges
 // ranges and MaxSize encoded.
 // Reads of bytes already recorded add nothing. It is safe for concurrent
 // use.
@@ -97,6 +108,16 @@ func (r *Recorder) record(path string, off, n int64, now time.Time) {
 	}
 	if r.stopped || n <= 0 || !r.until.IsZero() && now.After(r.until) {
 		return
+	}
+	if path == format.PagesFile {
+		// A page fault: the app is still getting there.
+		end := now.Add(RecordQuiet)
+		if last := r.first.Add(MaxRecording(r.recFor)); end.After(last) {
+			end = last
+		}
+		if end.After(r.until) {
+			r.until = end
+		}
 	}
 	var at int64
 	if !r.first.IsZero() {
