@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -68,14 +69,58 @@ func packedChunks(seed uint64, n, size int) ([]format.Chunk, blobs) {
 // time, and one request per read would cost the registry many times the
 // requests.
 func TestReadReadsAhead(t *testing.T) {
+	readRange, ranges := readAheadOf(t, false, false)
+	if readRange[1] != ReadAhead {
+		t.Errorf("the read's range request: %d bytes at %d, want %d (ranges asked: %v)", readRange[1], readRange[0], ReadAhead, ranges)
+	}
+	if len(ranges) != 4 {
+		t.Errorf("%d range requests, want 4 (the first frame, the read and its read-ahead, the prefetches before and after it): %v", len(ranges), ranges)
+	}
+}
+
+// TestReadReadsAheadLessWhileAProfileLoads: while profile chunks are
+// left, a read's range request stops at FaultCoalesce: on a link the
+// profile fills, the loader's reads take bytes from it, and gVisor needs
+// them to complete (it issues a fault's reads only as one does), not to be
+// long.
+func TestReadReadsAheadLessWhileAProfileLoads(t *testing.T) {
+	readRange, ranges := readAheadOf(t, true, false)
+	if readRange[1] != FaultCoalesce {
+		t.Errorf("the read's range request with a profile chunk queued: %d bytes at %d, want %d (ranges asked: %v)", readRange[1], readRange[0], FaultCoalesce, ranges)
+	}
+}
+
+// readAheadOf reads the 11th of 160 frames of a pack, the frames after the
+// first queued as prefetches, with one worker held on the pack's first
+// frame or, withProfile, on the first of two profile chunks (the second
+// queued, and with promoted a page fault's before the read). It returns
+// the read's range request and every range asked.
+func readAheadOf(t *testing.T, withProfile, promoted bool) (readRange [2]int64, ranges [][2]int64) {
+	t.Helper()
 	c, codec := setup(t)
 	const size = 32 << 10
 	cs, b := packedChunks(1, 160, size) // 5 MiB: more than ReadAhead past the read
-	store := &rangeLog{gate: newGate(b)}
+	pcs, pb := rawChunks(500, 2, 4096)
+	store := &rangeLog{gate: newGate(merged(b, pb))}
 	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
 	ctx := context.Background()
-	first := s.Prefetch(cs[:1])
+	var first []*Pending
+	if withProfile {
+		first = s.FetchProfile(pcs)
+	} else {
+		first = s.Prefetch(cs[:1])
+	}
 	wait(t, store.entered, "the first fetch")
+	var fault <-chan result
+	if promoted {
+		fault = get(s, ctx, pcs[1])
+		eventually(t, "the profile chunk promoted to a fault", func() bool {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			cl := s.calls[keyOf(pcs[1])]
+			return cl != nil && cl.prio == Fault
+		})
+	}
 	rest := s.Prefetch(cs[1:])
 	read := make(chan result, 1)
 	go func() { data, err := s.Get(ctx, cs[10], nil, Read); read <- result{data, err} }()
@@ -85,6 +130,11 @@ func TestReadReadsAhead(t *testing.T) {
 		return len(s.queues[Read]) == 1
 	})
 	store.open()
+	if fault != nil {
+		if r := wait(t, fault, "fault"); r.err != nil {
+			t.Fatal(r.err)
+		}
+	}
 	if r := wait(t, read, "read"); r.err != nil || !bytes.Equal(r.data, b[cs[0].Blob][cs[10].PackOffset:cs[10].PackOffset+size]) {
 		t.Fatalf("read: %v", r.err)
 	}
@@ -95,63 +145,12 @@ func TestReadReadsAhead(t *testing.T) {
 	}
 	store.mu.Lock()
 	defer store.mu.Unlock()
-	var readRange [2]int64
 	for _, r := range store.ranges {
 		if r[0] == cs[10].PackOffset {
 			readRange = r
 		}
 	}
-	if readRange[1] != ReadAhead {
-		t.Errorf("the read's range request: %d bytes at %d, want %d (ranges asked: %v)", readRange[1], readRange[0], ReadAhead, store.ranges)
-	}
-	if len(store.ranges) != 4 {
-		t.Errorf("%d range requests, want 4 (the first frame, the read and its read-ahead, the prefetches before and after it): %v", len(store.ranges), store.ranges)
-	}
-}
-
-// TestReadReadsAheadLessWhileAProfileLoads: while profile chunks are
-// left, a read's range request stops at FaultCoalesce: on a link the
-// profile fills, the loader's reads take bytes from it, and gVisor needs
-// them to complete (it issues a fault's reads only as one does), not to be
-// long.
-func TestReadReadsAheadLessWhileAProfileLoads(t *testing.T) {
-	c, codec := setup(t)
-	const size = 32 << 10
-	cs, b := packedChunks(1, 160, size)
-	pcs, pb := rawChunks(500, 2, 4096)
-	store := &rangeLog{gate: newGate(merged(b, pb))}
-	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
-	ctx := context.Background()
-	prof := s.FetchProfile(pcs)
-	wait(t, store.entered, "the first profile chunk's fetch")
-	rest := s.Prefetch(cs[11:])
-	read := make(chan result, 1)
-	go func() { data, err := s.Get(ctx, cs[10], nil, Read); read <- result{data, err} }()
-	eventually(t, "the read queued", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return len(s.queues[Read]) == 1
-	})
-	store.open()
-	if r := wait(t, read, "read"); r.err != nil || !bytes.Equal(r.data, b[cs[0].Blob][cs[10].PackOffset:cs[10].PackOffset+size]) {
-		t.Fatalf("read: %v", r.err)
-	}
-	for _, p := range append(prof, rest...) {
-		if err := p.Wait(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	store.mu.Lock()
-	defer store.mu.Unlock()
-	var readRange [2]int64
-	for _, r := range store.ranges {
-		if r[0] == cs[10].PackOffset {
-			readRange = r
-		}
-	}
-	if readRange[1] != FaultCoalesce {
-		t.Errorf("the read's range request with a profile chunk queued: %d bytes at %d, want %d (ranges asked: %v)", readRange[1], readRange[0], FaultCoalesce, store.ranges)
-	}
+	return readRange, slices.Clone(store.ranges)
 }
 
 // TestProfileLeftIgnoresStaleCalls: a profile chunk a page fault took
@@ -159,48 +158,9 @@ func TestReadReadsAheadLessWhileAProfileLoads(t *testing.T) {
 // chunk is in, a read reads ahead in full again (ReadAhead), whatever
 // the queue still holds.
 func TestProfileLeftIgnoresStaleCalls(t *testing.T) {
-	c, codec := setup(t)
-	const size = 32 << 10
-	cs, b := packedChunks(1, 160, size)
-	pcs, pb := rawChunks(500, 2, 4096)
-	store := &rangeLog{gate: newGate(merged(b, pb))}
-	s := startScheduler(t, []Endpoint{{Name: "gated", Store: store}}, c, codec, Options{Workers: 1})
-	ctx := context.Background()
-	prof := s.FetchProfile(pcs)
-	wait(t, store.entered, "the first profile chunk's fetch")
-	fault := get(s, ctx, pcs[1]) // the second, queued: promoted to a fault
-	eventually(t, "the profile chunk promoted to a fault", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		cl := s.calls[keyOf(pcs[1])]
-		return cl != nil && cl.prio == Fault
-	})
-	rest := s.Prefetch(cs[11:])
-	read := make(chan result, 1)
-	go func() { data, err := s.Get(ctx, cs[10], nil, Read); read <- result{data, err} }()
-	eventually(t, "the read queued", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return len(s.queues[Read]) == 1
-	})
-	store.open()
-	if r := wait(t, fault, "fault"); r.err != nil {
-		t.Fatal(r.err)
-	}
-	if r := wait(t, read, "read"); r.err != nil {
-		t.Fatal(r.err)
-	}
-	for _, p := range append(prof, rest...) {
-		if err := p.Wait(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	store.mu.Lock()
-	defer store.mu.Unlock()
-	for _, r := range store.ranges {
-		if r[0] == cs[10].PackOffset && r[1] != ReadAhead {
-			t.Errorf("the read's range request after the profile was in: %d bytes, want %d (ranges asked: %v)", r[1], ReadAhead, store.ranges)
-		}
+	readRange, ranges := readAheadOf(t, true, true)
+	if readRange[1] != ReadAhead {
+		t.Errorf("the read's range request after the profile was in: %d bytes, want %d (ranges asked: %v)", readRange[1], ReadAhead, ranges)
 	}
 }
 
