@@ -72,14 +72,15 @@ type Options struct {
 	// the gofer's file API (file, offset, length, start, duration), to see
 	// where a restore waits.
 	ReadLog io.Writer
-	// RecordFor bounds how long a mount records its working set after the
+	// RecordFor is how long a mount records its working set after the
 	// sandbox's first read of pages.img (default profile.DefaultRecordFor),
-	// and so how long a recording holds its sweep.
+	// or longer while the app faults (profile.Recorder), and so bounds
+	// how long a recording holds its sweep.
 	RecordFor time.Duration
 	// RecordSweepRate, if > 0, holds the background sweep of pages.img by
 	// the sandbox's loader to at most this many bytes a second (less on a
 	// slow link) for RecordHoldFor after the first read of pages.img and
-	// RecordHoldFor after each page fault, never past RecordFor, so that
+	// RecordHoldFor after each page fault, never past the recording, so that
 	// it does not load the app's windows before the app faults on them and
 	// the recorded working set holds them all (sweephold.go;
 	// DefaultRecordSweepRate). For restores that record a profile to
@@ -303,9 +304,13 @@ type load struct {
 	// (FilesOptions.RunsWhenTold).
 	runsWhenTold bool
 	// holdEnd, if set, is when a recording mount's hold of the sweep ends
-	// (sweepHold.end): the background fetches past pages.img's lead wait
+	// (sweepHold.end): the background fetches past pages.img's lead (all
+	// of them, other lazy files included, once a window is queued) wait
 	// for it too, or they would take the link from the app's page faults
-	// while the sweep, held, leaves them room.
+	// while the sweep, held, leaves them room. Only a load that waits for
+	// its sandbox (awaitSandbox: the gofer's mounts) waits for the hold
+	// to start; a FUSE mount's background starts when the mount is ready,
+	// and is held only from the sandbox's first read on.
 	holdEnd     func() time.Time
 	sandboxRead chan struct{}
 	sandboxOnce sync.Once
@@ -1004,11 +1009,7 @@ func (p *Puller) mount(ctx context.Context, src Source, dir string, files bool, 
 	l.awaitSandbox = opts.AwaitSandbox
 	l.runsWhenTold = opts.RunsWhenTold
 	found := l.begin(bg)
-	recordFor := p.opts.RecordFor
-	if recordFor <= 0 {
-		recordFor = profile.DefaultRecordFor
-	}
-	m.hold = newSweepHold(holdRate, l.sched.PeakRate, recordFor)
+	m.hold = newSweepHold(holdRate, l.sched.PeakRate, m.rec.Until)
 	if m.hold != nil {
 		l.holdEnd = m.hold.end
 	}
@@ -1125,6 +1126,7 @@ func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
 		m.rec.Swept()
 	}
 	if path == format.PagesFile && m.materialized == "" && m.files != nil {
+		m.hold.begin(time.Now())
 		m.l.sandboxReads()
 	}
 }
@@ -1371,8 +1373,8 @@ func (m *Mount) observeFUSE(path string, off, n int64) (waited bool) {
 	}
 	if !waited && path == format.PagesFile && n >= imagefs.FaultBelow {
 		// The sweep's read, held while a recording holds it (FUSE gives
-		// the callback no ctx: the hold's end, at most RecordFor after
-		// it started, bounds the wait).
+		// the callback no ctx: the hold's end, never past the recording,
+		// bounds the wait).
 		m.hold.wait(context.Background(), n)
 	}
 	return waited
@@ -1399,7 +1401,7 @@ func (m *Mount) sandboxFaulted() {
 // Profile returns the working set recorded so far: the reads the sandbox
 // waited on (page-fault windows of pages.img, and the lazy reads of other
 // files), in first-access order, for Options.RecordFor after its first
-// read of pages.img. A mount of a materialized snapshot by bind mount sees
+// read of pages.img, or longer while the app faults (profile.Recorder). A mount of a materialized snapshot by bind mount sees
 // no reads and records nothing.
 func (m *Mount) Profile() *profile.Profile { return m.rec.Profile() }
 

@@ -48,8 +48,9 @@ import (
 const DefaultRecordSweepRate = 16 << 20
 
 // RecordHoldFor is how long a recording holds the sweep after the first
-// read of pages.img, and after each page fault.
-const RecordHoldFor = 10 * time.Second
+// read of pages.img, and after each page fault: as long as a recording
+// goes on after one.
+const RecordHoldFor = profile.RecordQuiet
 
 // holdDivisor divides the link's peak rate into the most the held sweep
 // gets: on 1 Gbit/s about the fixed rate, on 100 Mbit/s 1.5 MiB/s.
@@ -72,10 +73,10 @@ type sweepHold struct {
 	lim   *rate.Limiter
 	fixed float64
 	// peak is the load's highest measured rate (fetch.Scheduler.PeakRate),
-	// 0 before any; recordFor bounds the hold, from its start, as the
-	// recording is bounded.
+	// 0 before any; recording is when the mount's recording ends
+	// (profile.Recorder.Until), which bounds the hold.
 	peak      func() float64
-	recordFor time.Duration
+	recording func() time.Time
 
 	mu    sync.Mutex
 	start time.Time // the first read of pages.img
@@ -83,21 +84,21 @@ type sweepHold struct {
 }
 
 // newSweepHold returns a hold at most at bytesPerSec, peak's rate over
-// holdDivisor if that is lower (peak may be nil), lasting at most
-// as the recording bounded by recordFor does (<= 0:
-// profile.DefaultRecordFor, as the recorder's); or nil if
+// holdDivisor if that is lower (peak may be nil), lasting no longer than
+// the recording whose end recording gives (profile.Recorder.Until; a zero
+// end, before it started, or a nil recording bounds nothing); or nil if
 // bytesPerSec <= 0.
-func newSweepHold(bytesPerSec float64, peak func() float64, recordFor time.Duration) *sweepHold {
+func newSweepHold(bytesPerSec float64, peak func() float64, recording func() time.Time) *sweepHold {
 	if bytesPerSec <= 0 {
 		return nil
-	}
-	if recordFor <= 0 {
-		recordFor = profile.DefaultRecordFor
 	}
 	if peak == nil {
 		peak = func() float64 { return 0 }
 	}
-	return &sweepHold{lim: rate.NewLimiter(rate.Limit(bytesPerSec), holdBurst), fixed: bytesPerSec, peak: peak, recordFor: recordFor}
+	if recording == nil {
+		recording = func() time.Time { return time.Time{} }
+	}
+	return &sweepHold{lim: rate.NewLimiter(rate.Limit(bytesPerSec), holdBurst), fixed: bytesPerSec, peak: peak, recording: recording}
 }
 
 // rate is the hold's highest rate in bytes a second, 0 for no hold.
@@ -120,18 +121,18 @@ func (h *sweepHold) currentRate() float64 {
 }
 
 // extendLocked starts the hold at now if it has not started, for
-// RecordHoldFor or the recording's bound if shorter, and after a page
-// fault makes it last until RecordHoldFor after now, as far as the
-// longest recording (profile.MaxRecording) from its start: a recording
-// goes on as long (profile.RecordQuiet). It returns the hold's end. h.mu
+// RecordHoldFor, and after a page fault makes it last until RecordHoldFor
+// after now (as a recording goes on profile.RecordQuiet after one); never
+// past the recording's end as it stands. It returns the hold's end. h.mu
 // is held.
 func (h *sweepHold) extendLocked(now time.Time, fault bool) time.Time {
-	if h.start.IsZero() {
-		h.start, h.until = now, now.Add(min(RecordHoldFor, h.recordFor))
+	started := h.start.IsZero()
+	if started {
+		h.start = now
 	}
-	if fault {
+	if started || fault {
 		end := now.Add(RecordHoldFor)
-		if last := h.start.Add(profile.MaxRecording(h.recordFor)); end.After(last) {
+		if last := h.recording(); !last.IsZero() && end.After(last) {
 			end = last
 		}
 		if end.After(h.until) {
@@ -139,6 +140,18 @@ func (h *sweepHold) extendLocked(now time.Time, fault bool) time.Time {
 		}
 	}
 	return h.until
+}
+
+// begin starts the hold at now, if it has not started: at the sandbox's
+// first read of pages.img, before the background that waits for that
+// read looks at the hold (load.waitHold).
+func (h *sweepHold) begin(now time.Time) {
+	if h == nil {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.extendLocked(now, false)
 }
 
 // end is when the hold ends as it stands (a fault can extend it), zero

@@ -171,7 +171,7 @@ func TestRecordingHoldsTheSweep(t *testing.T) {
 func TestSweepHoldShareOfThePeak(t *testing.T) {
 	const fixed = 16 << 20
 	var peak float64
-	h := newSweepHold(fixed, func() float64 { return peak }, time.Minute)
+	h := newSweepHold(fixed, func() float64 { return peak }, nil)
 	for _, c := range []struct {
 		name       string
 		peak, want float64
@@ -193,7 +193,7 @@ func TestSweepHoldShareOfThePeak(t *testing.T) {
 		}
 	}
 	// Below minHoldRate the fixed rate still wins.
-	low := newSweepHold(1000, func() float64 { return 1e9 }, time.Minute)
+	low := newSweepHold(1000, func() float64 { return 1e9 }, nil)
 	low.wait(context.Background(), 1)
 	if got := low.lim.Limit(); got != 1000 {
 		t.Errorf("a fixed rate of 1000 B/s on a fast link: held to %.0f B/s", got)
@@ -201,55 +201,55 @@ func TestSweepHoldShareOfThePeak(t *testing.T) {
 }
 
 // TestSweepHoldLastsWhileTheAppFaults: the hold starts at the first read
-// of pages.img, for RecordHoldFor or the recording's bound if shorter; a
-// page fault extends it to RecordHoldFor after it (as the recording
-// goes on RecordQuiet after it), never past the longest recording
-// (profile.MaxRecording) from its start; a first fault starts it.
+// of pages.img (begin, a sweep read's wait or a fault) for RecordHoldFor;
+// a page fault extends it to RecordHoldFor after it; and it never lasts
+// past the recording's end as the recorder has it (a recording that
+// ended, or stopped, extends it no more).
 func TestSweepHoldLastsWhileTheAppFaults(t *testing.T) {
-	h := newSweepHold(1<<20, nil, 30*time.Second)
+	var recEnd time.Time
+	h := newSweepHold(1<<20, nil, func() time.Time { return recEnd })
 	h.wait(context.Background(), 1)
 	start := h.start
 	if start.IsZero() || !h.until.Equal(start.Add(RecordHoldFor)) {
 		t.Fatalf("after the first read: start %v, until %v, want until start+%v", start, h.until, RecordHoldFor)
 	}
+	recEnd = start.Add(30 * time.Second)
 	for _, c := range []struct {
-		fault, want time.Duration
+		name                string
+		fault, recEnd, want time.Duration
 	}{
-		{5 * time.Second, 5*time.Second + RecordHoldFor},
-		{time.Second, 5*time.Second + RecordHoldFor}, // an earlier fault shortens nothing
-		{25 * time.Second, 25*time.Second + RecordHoldFor},
-		{115 * time.Second, 120 * time.Second}, // MaxRecording(30 s)
+		{"a fault at 5 s", 5 * time.Second, 30 * time.Second, 5*time.Second + RecordHoldFor},
+		{"an earlier fault", time.Second, 30 * time.Second, 5*time.Second + RecordHoldFor},
+		{"a fault at 25 s, which extended the recording to 35 s", 25 * time.Second, 35 * time.Second, 35 * time.Second},
+		{"a fault at 36 s, after the recording ended", 36 * time.Second, 35 * time.Second, 35 * time.Second},
+		{"a fault once the recording stopped (its end its start)", 30 * time.Second, 0, 35 * time.Second},
 	} {
+		recEnd = start.Add(c.recEnd)
 		h.faulted(start.Add(c.fault))
 		if !h.until.Equal(start.Add(c.want)) {
-			t.Errorf("a fault at %v: hold until +%v, want +%v", c.fault, h.until.Sub(start), c.want)
+			t.Errorf("%s: hold until +%v, want +%v", c.name, h.until.Sub(start), c.want)
 		}
 	}
 
-	// A recording bounded at 3 s holds the sweep 3 s from its first read,
-	// and a fault then 10 s after it, up to 12 s (4 x 3 s).
-	short := newSweepHold(1<<20, nil, 3*time.Second)
-	short.wait(context.Background(), 1)
-	t0 := short.start
-	if !short.until.Equal(t0.Add(3 * time.Second)) {
-		t.Errorf("recording for 3 s: hold until +%v, want +3s", short.until.Sub(t0))
+	// A recording of 3 s bounds a hold's first RecordHoldFor.
+	t0 := time.Now()
+	short := newSweepHold(1<<20, nil, func() time.Time { return t0.Add(3 * time.Second) })
+	short.begin(t0)
+	if !short.start.Equal(t0) || !short.end().Equal(t0.Add(3*time.Second)) {
+		t.Errorf("begin with a 3 s recording: start %v, until +%v; want %v, +3s", short.start, short.end().Sub(t0), t0)
 	}
-	short.faulted(t0.Add(time.Second))
-	if !short.until.Equal(t0.Add(11 * time.Second)) {
-		t.Errorf("recording for 3 s, a fault at 1 s: hold until +%v, want +11s", short.until.Sub(t0))
+	short.begin(t0.Add(time.Second)) // started already: nothing changes
+	if !short.end().Equal(t0.Add(3 * time.Second)) {
+		t.Errorf("a second begin moved the hold's end to +%v", short.end().Sub(t0))
 	}
-	short.faulted(t0.Add(5 * time.Second))
-	if !short.end().Equal(t0.Add(12 * time.Second)) {
-		t.Errorf("recording for 3 s, a fault at 5 s: hold until +%v, want +12s", short.end().Sub(t0))
-	}
-	first := newSweepHold(1<<20, nil, 30*time.Second)
-	f0 := time.Now()
-	first.faulted(f0)
-	if !first.start.Equal(f0) || !first.until.Equal(f0.Add(RecordHoldFor)) {
-		t.Errorf("a first fault: start %v, until +%v; want %v, +%v", first.start, first.until.Sub(f0), f0, RecordHoldFor)
+	first := newSweepHold(1<<20, nil, nil)
+	first.faulted(t0)
+	if !first.start.Equal(t0) || !first.until.Equal(t0.Add(RecordHoldFor)) {
+		t.Errorf("a first fault: start %v, until +%v; want %v, +%v", first.start, first.until.Sub(t0), t0, RecordHoldFor)
 	}
 	var none *sweepHold
 	none.faulted(time.Now()) // a mount that holds nothing
+	none.begin(time.Now())
 }
 
 // TestBackgroundWaitsForTheHold: while a recording holds its sweep, the
@@ -261,7 +261,9 @@ func TestBackgroundWaitsForTheHold(t *testing.T) {
 	ctx := context.Background()
 	// Recording for 3 s bounds the hold to 3 s from its start.
 	p := newPuller(t, Options{RecordSweepRate: 64 << 20, RecordFor: 3 * time.Second})
-	m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Millisecond})
+	// The background waits for the sandbox's first read (a minute at
+	// most), which starts the hold before it looks.
+	m, err := p.MountFiles(ctx, s, filepath.Join(t.TempDir(), "mnt"), FilesOptions{MaterializeAfter: make(chan struct{}), AwaitSandbox: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}

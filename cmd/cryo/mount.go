@@ -63,7 +63,7 @@ func (f *pullerFlags) register(cmd *cobra.Command, creds credentialFlags) {
 // record a profile (recordFlags: --record-profile, and --publish-profile
 // where there is one).
 func (f *pullerFlags) registerRecording(cmd *cobra.Command, recordFlags string) {
-	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, fmt.Sprintf("with %s: most bytes a second gVisor's background load of pages.img is held to (an eighth of the link's measured rate if lower, not below 1 MiB/s) for its first %s and until %s after the app's last page fault, never past --record-for, so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)", recordFlags, puller.RecordHoldFor, puller.RecordHoldFor))
+	cmd.Flags().Int64Var(&f.sweepRate, "record-sweep-rate", puller.DefaultRecordSweepRate, fmt.Sprintf("with %s: most bytes a second gVisor's background load of pages.img is held to (an eighth of the link's measured rate if lower, not below 1 MiB/s) for its first %s and until %s after the app's last page fault, never past the recording (--record-for, or longer while the app faults), so that it does not load the app's memory before the app faults on it and the profile misses it (0: not held)", recordFlags, puller.RecordHoldFor, puller.RecordHoldFor))
 }
 
 // warnSweepRate says on stderr that --record-sweep-rate, given, does

@@ -198,6 +198,13 @@ func TestRecorderGoesOnWhileTheAppFaults(t *testing.T) {
 	if want := []int64{0, 10 * mib, 20 * mib, 0}; !reflect.DeepEqual(offs, want) {
 		t.Errorf("recorded offsets %v, want %v", offs, want)
 	}
+	if want := start.Add(34 * time.Second); !r.Until().Equal(want) {
+		t.Errorf("Until %v, want %v", r.Until(), want)
+	}
+	r.Stop()
+	if !r.Until().Equal(start) {
+		t.Errorf("Until after Stop %v, want the first read, %v", r.Until(), start)
+	}
 }
 
 // TestRecorderStaysEncodable: however many reads it sees, a recording

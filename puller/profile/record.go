@@ -133,6 +133,18 @@ func (r *Recorder) record(path string, off, n int64, now time.Time) {
 	}
 }
 
+// Until is when the recording ends as it stands (a page fault can
+// extend it): zero before the sandbox's first read of pages.img, and its
+// first read once the recording stopped.
+func (r *Recorder) Until() time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopped && !r.first.IsZero() {
+		return r.first
+	}
+	return r.until
+}
+
 // Stop ends the recording: nothing is recorded after it.
 func (r *Recorder) Stop() {
 	r.mu.Lock()

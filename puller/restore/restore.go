@@ -208,7 +208,8 @@ type Result struct {
 	// Profile is the working set this restore recorded (nil for a
 	// materialized snapshot, which is read locally): the reads the
 	// sandbox waited on until every page was loaded (or for
-	// puller.Options.RecordFor), to publish for the next restores.
+	// puller.Options.RecordFor, longer while the app faults), to publish
+	// for the next restores.
 	Profile *profile.Profile
 }
 
