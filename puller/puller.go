@@ -1110,7 +1110,8 @@ func (m *Mount) sweep(i int, prio fetch.Priority) bool {
 // sandbox's: the working set records what it waited on (of the lazy
 // files; small files are fetched before the mount is ready anyway), a
 // page fault tells the scheduler the sandbox runs, and a first read of
-// pages.img lets the held background go.
+// pages.img starts a recording's hold and then lets the held background
+// go.
 func (m *Mount) account(i int, off, n int64, prio fetch.Priority) {
 	path := m.l.snap.Files[i].Path
 	switch {
@@ -1401,7 +1402,8 @@ func (m *Mount) sandboxFaulted() {
 // Profile returns the working set recorded so far: the reads the sandbox
 // waited on (page-fault windows of pages.img, and the lazy reads of other
 // files), in first-access order, for Options.RecordFor after its first
-// read of pages.img, or longer while the app faults (profile.Recorder). A mount of a materialized snapshot by bind mount sees
+// read of pages.img, or longer while the app faults (profile.Recorder).
+// A mount of a materialized snapshot by bind mount sees
 // no reads and records nothing.
 func (m *Mount) Profile() *profile.Profile { return m.rec.Profile() }
 

@@ -68,7 +68,9 @@ const holdBurst = 4 << 20
 
 // sweepHold holds a recording mount's sweep reads to its limiter's rate,
 // from the first read of pages.img for RecordHoldFor, longer while the
-// sandbox faults, never past the recording. A nil sweepHold holds nothing.
+// sandbox faults, never past the recording's end as it stood when the
+// hold started or a fault extended it (a recording that stops at its
+// limits leaves the hold's end as it was). A nil sweepHold holds nothing.
 type sweepHold struct {
 	lim   *rate.Limiter
 	fixed float64
@@ -126,11 +128,11 @@ func (h *sweepHold) currentRate() float64 {
 // past the recording's end as it stands. It returns the hold's end. h.mu
 // is held.
 func (h *sweepHold) extendLocked(now time.Time, fault bool) time.Time {
-	started := h.start.IsZero()
-	if started {
+	starting := h.start.IsZero()
+	if starting {
 		h.start = now
 	}
-	if started || fault {
+	if starting || fault {
 		end := now.Add(RecordHoldFor)
 		if last := h.recording(); !last.IsZero() && end.After(last) {
 			end = last
@@ -162,8 +164,8 @@ func (h *sweepHold) end() time.Time {
 	return h.until
 }
 
-// faulted makes the hold last RecordHoldFor after a page fault at now (as
-// far as the longest recording from its start), starting it if this is
+// faulted makes the hold last RecordHoldFor after a page fault at now
+// (never past the recording's end as it stands), starting it if this is
 // the first read of pages.img.
 func (h *sweepHold) faulted(now time.Time) {
 	if h == nil {

@@ -252,9 +252,11 @@ func TestSweepHoldLastsWhileTheAppFaults(t *testing.T) {
 	none.begin(time.Now())
 }
 
-// TestBackgroundWaitsForTheHold: while a recording holds its sweep, the
-// puller's own background load past pages.img's lead waits too (it would
-// take the link from the app's faults); once the hold ends, it loads.
+// TestBackgroundWaitsForTheHold: the sandbox's first read of pages.img
+// starts the hold, bounded by the recording (Recorder.Until), before it
+// lets the background go; while the hold lasts, the puller's own
+// background load past pages.img's lead waits (it would take the link
+// from the app's faults); once the hold ends, it loads.
 func TestBackgroundWaitsForTheHold(t *testing.T) {
 	r := startReg(t)
 	_, s := pushV2(t, r, "app", synth.Random, sandboxLead+8<<20, 9)
@@ -268,10 +270,22 @@ func TestBackgroundWaitsForTheHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Unmount()
+	// The sandbox's first read of pages.img, as accounted before it is
+	// served: the hold has started, bounded by the 3 s recording, by the
+	// time the background is let go.
+	pages, _ := m.fileIndex(format.PagesFile)
+	t0 := time.Now()
+	m.account(pages, 0, 4096, fetch.Read)
+	select {
+	case <-m.l.sandboxRead:
+	default:
+		t.Fatal("the first read of pages.img did not let the background go")
+	}
+	if end := m.hold.end(); end.Before(t0) || end.After(time.Now().Add(3*time.Second)) {
+		t.Fatalf("after the first read the hold ends at %v, want within 3 s of %v (the recording's bound)", end, t0)
+	}
 	short, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	// The sandbox's first read, a sweep read at the file's start, starts
-	// the hold.
 	if err := m.ReadAt(short, format.PagesFile, make([]byte, 4096), 0, fetch.Read); err != nil {
 		t.Fatal(err)
 	}
