@@ -147,14 +147,7 @@ func (h *sweepHold) extendLocked(now time.Time, fault bool) time.Time {
 // begin starts the hold at now, if it has not started: at the sandbox's
 // first read of pages.img, before the background that waits for that
 // read looks at the hold (load.waitHold).
-func (h *sweepHold) begin(now time.Time) {
-	if h == nil {
-		return
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.extendLocked(now, false)
-}
+func (h *sweepHold) begin(now time.Time) { h.extend(now, false) }
 
 // end is when the hold ends as it stands (a fault can extend it), zero
 // before it started.
@@ -167,13 +160,16 @@ func (h *sweepHold) end() time.Time {
 // faulted makes the hold last RecordHoldFor after a page fault at now
 // (never past the recording's end as it stands), starting it if this is
 // the first read of pages.img.
-func (h *sweepHold) faulted(now time.Time) {
+func (h *sweepHold) faulted(now time.Time) { h.extend(now, true) }
+
+// extend is extendLocked for a hold that may be nil (none).
+func (h *sweepHold) extend(now time.Time, fault bool) {
 	if h == nil {
 		return
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.extendLocked(now, true)
+	h.extendLocked(now, fault)
 }
 
 // wait holds a sweep read of n bytes for its turn at the rate, while the
