@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
@@ -83,10 +84,7 @@ func TestPriorityOrder(t *testing.T) {
 func TestOneReadBesideTheProfile(t *testing.T) {
 	c, codec := setup(t)
 	cs, b := rawChunks(3, 6, 4096)
-	h := &heldBlobs{blobs: b, released: map[digest.Digest]chan struct{}{}}
-	for _, ch := range cs {
-		h.released[ch.Digest] = make(chan struct{})
-	}
+	h := holdBlobs(b, cs)
 	s := startScheduler(t, []Endpoint{{Name: "held", Store: h}}, c, codec, Options{Workers: 2})
 	ctx := context.Background()
 	s.SandboxFaulted()
@@ -130,6 +128,15 @@ func TestOneReadBesideTheProfile(t *testing.T) {
 type heldBlobs struct {
 	blobs
 	released map[digest.Digest]chan struct{}
+}
+
+// holdBlobs holds the fetch of each of cs's blobs in b.
+func holdBlobs(b blobs, cs []format.Chunk) *heldBlobs {
+	h := &heldBlobs{blobs: b, released: map[digest.Digest]chan struct{}{}}
+	for _, ch := range cs {
+		h.released[ch.Digest] = make(chan struct{})
+	}
+	return h
 }
 
 func (h *heldBlobs) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
@@ -390,10 +397,7 @@ func TestRunsWhenTold(t *testing.T) {
 func TestOneReadRuleLetsTheProfileGo(t *testing.T) {
 	c, codec := setup(t)
 	cs, b := rawChunks(6, 4, 4096)
-	h := &heldBlobs{blobs: b, released: map[digest.Digest]chan struct{}{}}
-	for _, ch := range cs {
-		h.released[ch.Digest] = make(chan struct{})
-	}
+	h := holdBlobs(b, cs)
 	s := startScheduler(t, []Endpoint{{Name: "held", Store: h}}, c, codec, Options{Workers: 3})
 	ctx := context.Background()
 	s.SandboxFaulted()
