@@ -154,18 +154,19 @@ func run(ctx context.Context, args []string) error {
 		log.Error("release check", "err", err)
 		return err
 	}
-	impl := &server{ctx: ctx, log: log, bufs: newBufPool()}
-	switch {
-	case f.fsCheckpointReads || f.fsCheckpointWrites:
-		err := fmt.Errorf("cryo's checkpoint gofer serves checkpoints and restores, not filesystem checkpoints (%q)", args)
+	image, err := f.image()
+	if err != nil {
 		log.Error("mode", "err", err)
 		return err
-	case cfg.Checkpoint && f.checkpointWrites:
+	}
+	impl := &server{ctx: ctx, log: log, bufs: newBufPool(), image: image, files: image.files()}
+	switch {
+	case cfg.Checkpoint && image.writes():
 		c := gofer.NewClient(cfg.Socket, cfg.Mount, "", 0)
 		defer c.Close()
 		impl.uploads = c
-	case cfg.Checkpoint || f.checkpointWrites:
-		err := fmt.Errorf("runsc asks for a %s, the image dir's %s is for a %s", mode(f.checkpointWrites), gofer.ConfigFile, mode(cfg.Checkpoint))
+	case cfg.Checkpoint || image.writes():
+		err := fmt.Errorf("runsc asks for a %s, the image dir's %s is for a %s", image, gofer.ConfigFile, configMode(cfg.Checkpoint))
 		log.Error("mode", "err", err)
 		return err
 	default:
@@ -175,11 +176,11 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		defer closeSrc()
-		if impl.sizes, err = statFiles(ctx, src); err != nil {
+		if impl.sizes, err = statFiles(ctx, src, image); err != nil {
 			log.Error("snapshot source", "err", err)
 			return err
 		}
-		impl.src, impl.allowReads = src, f.checkpointReads
+		impl.src, impl.allowReads = src, true
 	}
 
 	sock, err := unet.NewSocket(f.sockFD)
@@ -202,8 +203,60 @@ func run(ctx context.Context, args []string) error {
 	return nil
 }
 
-// mode names what a checkpoint gofer is asked for.
-func mode(checkpoint bool) string {
+// imageMode is what runsc started the gofer for, from its one -allow flag.
+type imageMode int
+
+const (
+	restoreMode imageMode = iota
+	checkpointMode
+	fsRestoreMode
+	fsCheckpointMode
+)
+
+// image returns what runsc asks for: exactly one of the four -allow
+// flags (runsc passes one per gofer it starts).
+func (f flags) image() (imageMode, error) {
+	var modes []imageMode
+	for _, m := range []struct {
+		set  bool
+		mode imageMode
+	}{{f.checkpointReads, restoreMode}, {f.checkpointWrites, checkpointMode}, {f.fsCheckpointReads, fsRestoreMode}, {f.fsCheckpointWrites, fsCheckpointMode}} {
+		if m.set {
+			modes = append(modes, m.mode)
+		}
+	}
+	if len(modes) != 1 {
+		return 0, fmt.Errorf("runsc passed %d of -allow-checkpoint-reads, -allow-checkpoint-writes, -allow-fscheckpoint-reads and -allow-fscheckpoint-writes, want one", len(modes))
+	}
+	return modes[0], nil
+}
+
+// writes reports whether the sentry writes an image (a checkpoint).
+func (m imageMode) writes() bool { return m == checkpointMode || m == fsCheckpointMode }
+
+// files returns the files of m's kind of image.
+func (m imageMode) files() []string {
+	if m == fsRestoreMode || m == fsCheckpointMode {
+		return fsCheckpointFiles
+	}
+	return checkpointFiles
+}
+
+// kind names m's kind of image.
+func (m imageMode) kind() string {
+	if m == fsRestoreMode || m == fsCheckpointMode {
+		return "filesystem checkpoint"
+	}
+	return "checkpoint"
+}
+
+// String names m for errors and logs.
+func (m imageMode) String() string {
+	return [...]string{"restore", "checkpoint", "filesystem restore", "filesystem checkpoint"}[m]
+}
+
+// configMode names what a gofer config is for.
+func configMode(checkpoint bool) string {
 	if checkpoint {
 		return "checkpoint"
 	}
@@ -228,18 +281,23 @@ func openSource(ctx context.Context, cfg gofer.Config, log *slog.Logger) (gofer.
 	}, nil
 }
 
-// statFiles asks the source for the sizes of the checkpoint files before
-// anything is served. The sentry reads an error opening pages_meta.img as
-// "this checkpoint has no pages file": so any error but a missing file
-// (a mount gone, another snapshot, the deadline passed) stops the gofer
-// here, and the restore fails saying so, instead of restoring without
-// memory.
-func statFiles(ctx context.Context, src gofer.Source) (map[string]int64, error) {
+// statFiles asks the source for the sizes of the files of m's image
+// before anything is served. The sentry reads an error opening a
+// checkpoint's pages_meta.img as "this checkpoint has no pages file": so
+// any error but a missing pages file (a mount gone, another snapshot, the
+// deadline passed) stops the gofer here, and the restore fails saying so,
+// instead of restoring without memory. A filesystem restore opens all
+// four of its files: each must be there.
+func statFiles(ctx context.Context, src gofer.Source, m imageMode) (map[string]int64, error) {
 	sizes := map[string]int64{}
-	for _, path := range []string{"checkpoint.img", "pages_meta.img", "pages.img"} {
+	pagesOptional := m == restoreMode
+	for _, path := range m.files() {
 		n, err := src.Size(ctx, path)
-		if errors.Is(err, os.ErrNotExist) && path != "checkpoint.img" {
+		if errors.Is(err, os.ErrNotExist) && pagesOptional && path != "checkpoint.img" {
 			continue
+		}
+		if errors.Is(err, os.ErrNotExist) && path == m.files()[0] {
+			return nil, fmt.Errorf("the snapshot has no %s: it is no %s, whose image holds %s", path, m.kind(), strings.Join(m.files(), ", "))
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", path, err)

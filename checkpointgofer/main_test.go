@@ -2,12 +2,16 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/runsc/version"
@@ -102,5 +106,93 @@ func TestBinaryRefusesOtherRelease(t *testing.T) {
 		if !strings.Contains(string(logged), rel) {
 			t.Errorf("the gofer's log does not name release %s:\n%s\nstderr: %s", rel, logged, stderr.String())
 		}
+	}
+}
+
+// multiFiles is a snapshot of named files of the given sizes, each all
+// zeros.
+type multiFiles map[string]int64
+
+func (m multiFiles) FileSize(path string) (int64, bool) {
+	n, ok := m[path]
+	return n, ok
+}
+
+func (m multiFiles) ReadAt(_ context.Context, _ string, p []byte, _ int64, _ fetch.Priority) error {
+	clear(p)
+	return nil
+}
+
+// TestImageModes: runsc's one -allow flag picks the files the gofer
+// serves or takes. A filesystem restore reads fscheckpoint.pb,
+// multitar.img and the pages files, and a snapshot without them (a
+// checkpoint's) is refused before serving, naming what is missing; a
+// restore may not open a filesystem checkpoint's files, nor the other
+// way round.
+func TestImageModes(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		args string
+		mode imageMode
+	}{
+		{"-allow-checkpoint-reads", restoreMode},
+		{"-allow-checkpoint-writes", checkpointMode},
+		{"-allow-fscheckpoint-reads", fsRestoreMode},
+		{"-allow-fscheckpoint-writes", fsCheckpointMode},
+	} {
+		f, err := parseArgs(strings.Fields("checkpointgofer -sock-fd=3 -gcs-opts-fd=4 " + tc.args))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m, err := f.image(); err != nil || m != tc.mode {
+			t.Errorf("%s: mode %v, %v; want %v", tc.args, m, err, tc.mode)
+		}
+	}
+	for _, bad := range []string{"", "-allow-checkpoint-reads -allow-fscheckpoint-reads"} {
+		f, err := parseArgs(strings.Fields("checkpointgofer -sock-fd=3 -gcs-opts-fd=4 " + bad))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m, err := f.image(); err == nil {
+			t.Errorf("flags %q: mode %v, want an error", bad, m)
+		}
+	}
+
+	ckpt := multiFiles{"checkpoint.img": 4096, "pages_meta.img": 100, "pages.img": 8192}
+	fsckpt := multiFiles{"fscheckpoint.pb": 94, "multitar.img": 3072, "pages_meta.img": 88, "pages.img": 4096}
+	if _, err := statFiles(ctx, gofer.Local(ckpt), fsRestoreMode); err == nil || !strings.Contains(err.Error(), "no fscheckpoint.pb") {
+		t.Errorf("a filesystem restore of a checkpoint's snapshot: %v, want an error naming fscheckpoint.pb", err)
+	}
+	if _, err := statFiles(ctx, gofer.Local(fsckpt), restoreMode); err == nil || !strings.Contains(err.Error(), "no checkpoint.img") {
+		t.Errorf("a restore of a filesystem checkpoint's snapshot: %v, want an error naming checkpoint.img", err)
+	}
+	noTar := multiFiles{"fscheckpoint.pb": 94, "pages_meta.img": 88, "pages.img": 4096}
+	if _, err := statFiles(ctx, gofer.Local(noTar), fsRestoreMode); err == nil || !strings.Contains(err.Error(), "multitar.img") {
+		t.Errorf("a filesystem restore without multitar.img: %v, want an error naming it", err)
+	}
+	sizes, err := statFiles(ctx, gofer.Local(fsckpt), fsRestoreMode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &server{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil)), src: gofer.Local(fsckpt),
+		allowReads: true, image: fsRestoreMode, files: fsRestoreMode.files(), sizes: sizes, bufs: newBufPool()}
+	for _, path := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img", "pages.img"} {
+		r, err := s.OpenRead(path)
+		if err != nil {
+			t.Errorf("filesystem restore: open %s: %v", path, err)
+			continue
+		}
+		r.Close()
+	}
+	if _, err := s.OpenRead("checkpoint.img"); err == nil {
+		t.Error("a filesystem restore opened checkpoint.img")
+	}
+	s.image, s.files = restoreMode, restoreMode.files()
+	if _, err := s.OpenRead("multitar.img"); err == nil {
+		t.Error("a restore opened multitar.img")
+	}
+	w := &server{ctx: ctx, log: s.log, image: checkpointMode, files: checkpointMode.files(), uploads: gofer.NewClient(filepath.Join(t.TempDir(), "none.sock"), "m", "", 0)}
+	if _, err := w.OpenWrite("fscheckpoint.pb"); err == nil || !strings.Contains(err.Error(), "no file of a checkpoint image") {
+		t.Errorf("a checkpoint opened fscheckpoint.pb for writing: %v", err)
 	}
 }

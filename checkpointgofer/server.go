@@ -7,6 +7,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -19,8 +21,16 @@ import (
 	"gvisor.dev/gvisor/pkg/sentry/state/stateio"
 )
 
-// The files a restore reads (gVisor's pkg/sentry/state/checkpointfiles).
-var checkpointFiles = map[string]bool{"checkpoint.img": true, "pages_meta.img": true, "pages.img": true}
+// The files of gVisor's two kinds of image (its
+// pkg/sentry/state/checkpointfiles), the only ones the gofer serves: a
+// checkpoint's (runsc checkpoint and restore), and a filesystem
+// checkpoint's (runsc fscheckpoint, and runsc create
+// --fs-restore-image-path), whose pages files hold the sandbox's overlay
+// upper layers, not its memory.
+var (
+	checkpointFiles   = []string{"checkpoint.img", "pages_meta.img", "pages.img"}
+	fsCheckpointFiles = []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img", "pages.img"}
+)
 
 // Read sizes and parallelism the gofer offers the sentry. The sentry
 // reads pages.img in pieces of at most maxIOBytes (cryo's chunk size),
@@ -45,6 +55,10 @@ type server struct {
 	log        *slog.Logger
 	src        gofer.Source
 	allowReads bool
+	// image is what runsc asked the gofer for; files are the files of
+	// its kind of image, the only ones the sentry may open.
+	image imageMode
+	files []string
 	// sizes are the sizes of the checkpoint files the snapshot has, asked
 	// before serving (statFiles).
 	sizes   map[string]int64
@@ -63,10 +77,10 @@ func (s *server) Destroy() {}
 // OpenRead implements stateipc.AsyncFileServerImpl.OpenRead.
 func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 	if !s.allowReads {
-		return nil, fmt.Errorf("cryo checkpoint gofer: reads not allowed (runsc did not pass -allow-checkpoint-reads)")
+		return nil, fmt.Errorf("cryo checkpoint gofer: reads not allowed (runsc asked for a %s)", s.image)
 	}
-	if !checkpointFiles[path] {
-		return nil, fmt.Errorf("cryo checkpoint gofer: %q is not a checkpoint file", path)
+	if !slices.Contains(s.files, path) {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %q is no file of a %s image (%s)", path, s.image.kind(), strings.Join(s.files, ", "))
 	}
 	size, ok := s.sizes[path]
 	if !ok {
@@ -88,10 +102,10 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 // OpenWrite implements stateipc.AsyncFileServerImpl.OpenWrite.
 func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
 	if s.uploads == nil {
-		return nil, fmt.Errorf("cryo checkpoint gofer: writes not allowed (runsc did not pass -allow-checkpoint-writes)")
+		return nil, fmt.Errorf("cryo checkpoint gofer: writes not allowed (runsc asked for a %s)", s.image)
 	}
-	if !checkpointFiles[path] {
-		return nil, fmt.Errorf("cryo checkpoint gofer: %q is not a checkpoint file", path)
+	if !slices.Contains(s.files, path) {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %q is no file of a %s image (%s)", path, s.image.kind(), strings.Join(s.files, ", "))
 	}
 	refs, err := s.uploads.UploadRefs(s.ctx, path)
 	if err == nil {

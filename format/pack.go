@@ -37,6 +37,12 @@ const (
 	PagesMetaFile = "pages_meta.img"
 	// PagesFile holds the raw memory pages.
 	PagesFile = "pages.img"
+	// FSManifestFile and FSMultiTarFile are, beside a pages file and its
+	// metadata, the files of a filesystem checkpoint (runsc
+	// fscheckpoint): its manifest, and tar archives of the overlay upper
+	// layers whose file contents lie in the pages file.
+	FSManifestFile = "fscheckpoint.pb"
+	FSMultiTarFile = "multitar.img"
 )
 
 // DefaultAvgChunkSize is the default mean chunk size. SPEC.md explains the

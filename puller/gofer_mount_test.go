@@ -1,8 +1,6 @@
 package puller_test
 
 import (
-	"bufio"
-	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -31,38 +29,7 @@ func TestMountThroughGofer(t *testing.T) {
 	e.push(t, img, ref)
 
 	dir := filepath.Join(t.TempDir(), "img")
-	mount := e.command(context.Background(), "mount", "--backend", "gofer", "--runsc", e.runsc, "--cache", e.cacheDir, ref, dir)
-	stdout, err := mount.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr strings.Builder
-	mount.Stderr = &stderr
-	if err := mount.Start(); err != nil {
-		t.Fatal(err)
-	}
-	stopped := false
-	t.Cleanup(func() {
-		if !stopped {
-			mount.Process.Kill()
-			mount.Wait()
-		}
-	})
-	envc := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), "env: "); ok {
-				envc <- v
-			}
-		}
-		close(envc)
-	}()
-	var env string
-	select {
-	case env = <-envc:
-	case <-time.After(2 * time.Minute):
-	}
+	env, mount, stderr := e.startMount(t, "--backend", "gofer", "--runsc", e.runsc, "--cache", e.cacheDir, ref, dir)
 	if !strings.HasPrefix(env, "GVISOR_SIDECAR_BINARIES_DIR=") {
 		t.Fatalf("cryo mount --backend gofer printed no env line (got %q):\n%s", env, stderr.String())
 	}
@@ -89,7 +56,6 @@ func TestMountThroughGofer(t *testing.T) {
 		t.Fatalf("runsc wait --restore: %v\n%s", err, out)
 	}
 	mount.Process.Signal(syscall.SIGTERM)
-	stopped = true
 	if err := mount.Wait(); err != nil {
 		t.Errorf("cryo mount after SIGTERM: %v\n%s", err, stderr.String())
 	}

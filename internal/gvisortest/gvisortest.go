@@ -224,6 +224,11 @@ type AppOptions struct {
 	// RunscFlags are extra global runsc flags for every runsc command of the
 	// app, e.g. "--debug", "--debug-log=/tmp/logs/".
 	RunscFlags []string
+	// Overlay makes the sandbox's root writable: the host's "/" under
+	// gVisor's overlay, whose upper layer lives in a file of the app's
+	// dir (--overlay2=root:dir=...), never on the host. runsc
+	// fscheckpoint saves that upper layer (see RunFromFS).
+	Overlay bool
 }
 
 // HotSet is the part of its buffer an app reads on every request.
@@ -246,6 +251,7 @@ type App struct {
 	bundleDir string
 	startHash string
 	python    string // "path version" from the ready line
+	writable  bool   // AppOptions.Overlay
 
 	running  bool // the container exists in runsc's state
 	runs     int  // run/restore count: names the output files
@@ -296,12 +302,21 @@ func StartApp(t testing.TB, runsc string, opts AppOptions) *App {
 			t.Errorf("gvisortest: cleanup: %v", err)
 		}
 	})
-	a.flags = append([]string{
+	a.flags = []string{
 		"--root=" + a.stateDir,
 		"--platform=systrap",
 		"--network=none",
 		"--ignore-cgroups",
-	}, opts.RunscFlags...)
+	}
+	if opts.Overlay {
+		overlay := filepath.Join(dir, "overlay")
+		if err := os.Mkdir(overlay, 0o700); err != nil {
+			t.Fatalf("gvisortest: %v", err)
+		}
+		a.flags = append(a.flags, "--overlay2=root:dir="+overlay)
+		a.writable = true
+	}
+	a.flags = append(a.flags, opts.RunscFlags...)
 	mode := "random"
 	if opts.Text {
 		mode = "text"
@@ -314,7 +329,7 @@ func StartApp(t testing.TB, runsc string, opts AppOptions) *App {
 		hot = "none"
 	}
 	args := []string{python, "-u", "-I", "-c", appScript, strconv.Itoa(opts.MemoryMiB), mode, strconv.FormatFloat(opts.Interval.Seconds(), 'f', 3, 64), hot}
-	if err := writeBundle(a.bundleDir, args); err != nil {
+	if err := writeBundle(a.bundleDir, args, a.writable); err != nil {
 		t.Fatalf("gvisortest: %v", err)
 	}
 	if err := os.Mkdir(a.stateDir, 0o700); err != nil {
@@ -356,9 +371,9 @@ func findPython() (string, error) {
 	return p, nil
 }
 
-// writeBundle writes an OCI bundle running args with the host's "/" as a
-// read-only root.
-func writeBundle(dir string, args []string) error {
+// writeBundle writes an OCI bundle running args with the host's "/" as
+// its root, read-only unless writable.
+func writeBundle(dir string, args []string, writable bool) error {
 	caps := []string{"CAP_KILL"}
 	config := map[string]any{
 		"ociVersion": "1.0.0",
@@ -375,7 +390,7 @@ func writeBundle(dir string, args []string) error {
 			},
 			"rlimits": []any{map[string]any{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}},
 		},
-		"root":     map[string]any{"path": "/", "readonly": true},
+		"root":     map[string]any{"path": "/", "readonly": !writable},
 		"hostname": "gvisortest",
 		"mounts": []any{
 			map[string]any{"destination": "/proc", "type": "proc", "source": "proc"},

@@ -12,6 +12,14 @@
 // snapshot is tagged only once runsc checkpoint succeeded and every blob
 // and manifest is in the registry: an interrupted checkpoint leaves no
 // tag. It is what `cryo checkpoint` runs.
+//
+// With Options.Filesystem it runs
+//
+//	runsc [RunscFlags] fscheckpoint --image-path=DIR [--leave-running] [--path=P]... CONTAINER
+//
+// instead: a filesystem checkpoint (the sandbox's overlay upper layers:
+// fscheckpoint.pb, multitar.img, pages_meta.img, pages.img), which
+// `runsc create --fs-restore-image-path` restores into a new sandbox.
 package checkpoint
 
 import (
@@ -46,6 +54,11 @@ type Options struct {
 	// LeaveRunning keeps the sandbox running after the checkpoint
 	// (runsc checkpoint --leave-running).
 	LeaveRunning bool
+	// Filesystem takes a filesystem checkpoint (runsc fscheckpoint) of
+	// the paths Paths inside the sandbox (runsc's default, "/", if none),
+	// instead of a checkpoint of the whole sandbox.
+	Filesystem bool
+	Paths      []string
 	// GoferDir holds cryo's checkpointgofer, of the local runsc's gVisor
 	// release (required).
 	GoferDir string
@@ -114,7 +127,19 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	if err := gofer.WriteImageDir(img, gofer.Config{MediaType: gofer.MediaType, Reference: ref.String(), Checkpoint: true, Socket: session.Socket, Mount: sessionID, Log: opts.GoferLog}); err != nil {
 		return nil, err
 	}
+	command, first := "checkpoint", format.CheckpointFile
 	args := append(append([]string{}, opts.RunscFlags...), "checkpoint", "--image-path="+img, "--compression=none")
+	if opts.Filesystem {
+		// fscheckpoint writes its files uncompressed: it has no
+		// --compression.
+		command, first = "fscheckpoint", format.FSManifestFile
+		args = append(append([]string{}, opts.RunscFlags...), "fscheckpoint", "--image-path="+img)
+		for _, p := range opts.Paths {
+			args = append(args, "--path="+p)
+		}
+	} else if len(opts.Paths) > 0 {
+		return nil, errors.New("checkpoint: paths are for a filesystem checkpoint")
+	}
 	if opts.LeaveRunning {
 		args = append(args, "--leave-running")
 	}
@@ -126,14 +151,14 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 		cmd.Stderr = io.MultiWriter(&stderr, opts.Stderr)
 	}
 	if err := cmd.Run(); err != nil {
-		return nil, fmt.Errorf("runsc checkpoint: %w: %s%s", err, strings.TrimSpace(stderr.String()), sink.failures())
+		return nil, fmt.Errorf("runsc %s: %w: %s%s", command, err, strings.TrimSpace(stderr.String()), sink.failures())
 	}
 	checkpointed := time.Since(start)
 	// runsc checkpoint returns once the sentry finalized every file, which
 	// the gofer does only after this process packed it.
 	files := sink.sizes()
-	if _, ok := files["checkpoint.img"]; !ok {
-		return nil, fmt.Errorf("runsc checkpoint succeeded, but no checkpoint.img reached cryo (is %s cryo's gofer?)%s", opts.GoferDir, sink.failures())
+	if _, ok := files[first]; !ok {
+		return nil, fmt.Errorf("runsc %s succeeded, but no %s reached cryo (is %s cryo's gofer?)%s", command, first, opts.GoferDir, sink.failures())
 	}
 	// Without --leave-running the sandbox is gone by now: the snapshot is
 	// all that is left of it, so a registry hiccup here is retried.

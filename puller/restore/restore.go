@@ -524,6 +524,9 @@ func checkVersion(ctx context.Context, src puller.Source, opts Options) (string,
 	if err != nil {
 		return "", fmt.Errorf("snapshot %s: %w", opts.Name, err)
 	}
+	if snap.File(format.CheckpointFile) == nil && snap.File(format.FSManifestFile) != nil {
+		return "", fmt.Errorf("snapshot %s is a filesystem checkpoint (runsc fscheckpoint), which runsc restore cannot restore: mount it (cryo mount REF DIR, --backend gofer for no FUSE) and create the new sandbox with runsc create --fs-restore-image-path=DIR", opts.Name)
+	}
 	if v := snap.RunscVersion(); v != "" && v != local {
 		return "", &VersionError{Snapshot: opts.Name, Checkpointed: v, Local: local}
 	}
