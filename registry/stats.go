@@ -58,23 +58,46 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 	if err != nil && !extstore.IsNotFound(err) {
 		return nil, fmt.Errorf("enumerate blobs: %w", err)
 	}
-	enum, ok := s.ns.(distribution.RepositoryEnumerator)
-	if !ok {
-		return st, nil
-	}
 	seenIndex := map[digest.Digest]bool{}
 	seenChunk := map[digest.Digest]bool{}
-	err = enum.Enumerate(ctx, func(name string) error {
-		st.Repositories++
+	err = s.eachManifest(ctx, func(string) { st.Repositories++ }, func(_ string, d digest.Digest, mt string, payload []byte) error {
+		switch mt {
+		case ocispec.MediaTypeImageIndex:
+			if !seenIndex[d] {
+				seenIndex[d] = true
+				st.addSnapshot(payload)
+			}
+		case ocispec.MediaTypeImageManifest:
+			st.addChunks(payload, seenChunk)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// eachManifest calls repo with the name of every repository in the
+// storage, then fn with each manifest stored in it (its digest, media
+// type and bytes). Manifests deleted meanwhile, or that do not parse, are
+// skipped.
+func (s *Server) eachManifest(ctx context.Context, repo func(name string), fn func(repo string, d digest.Digest, mediaType string, payload []byte) error) error {
+	enum, ok := s.ns.(distribution.RepositoryEnumerator)
+	if !ok {
+		return nil
+	}
+	err := enum.Enumerate(ctx, func(name string) error {
+		repo(name)
 		named, err := reference.WithName(name)
 		if err != nil {
 			return nil
 		}
-		repo, err := s.ns.Repository(ctx, named)
+		r, err := s.ns.Repository(ctx, named)
 		if err != nil {
 			return err
 		}
-		ms, err := repo.Manifests(ctx)
+		ms, err := r.Manifests(ctx)
 		if err != nil {
 			return err
 		}
@@ -91,16 +114,7 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 			if err != nil {
 				return nil
 			}
-			switch mt {
-			case ocispec.MediaTypeImageIndex:
-				if !seenIndex[d] {
-					seenIndex[d] = true
-					st.addSnapshot(payload)
-				}
-			case ocispec.MediaTypeImageManifest:
-				st.addChunks(payload, seenChunk)
-			}
-			return nil
+			return fn(name, d, mt, payload)
 		})
 		if err != nil && !extstore.IsNotFound(err) {
 			return err
@@ -108,9 +122,9 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 		return nil
 	})
 	if err != nil && !extstore.IsNotFound(err) {
-		return nil, fmt.Errorf("enumerate repositories: %w", err)
+		return fmt.Errorf("enumerate repositories: %w", err)
 	}
-	return st, nil
+	return nil
 }
 
 // countBlobs counts the stored blobs and their bytes (for gc).

@@ -79,7 +79,7 @@ the OCI 1.1 referrers API, a chunk index that lets pushers skip chunks the
 registry already holds in another encoding or repository, and Prometheus
 metrics of stored bytes and the dedup ratio. Any OCI client can use it.`,
 	}
-	cmd.AddCommand(newRegistryServeCmd(), newRegistryGCCmd(), newRegistryStatsCmd(), newRegistryReadOnlyCmd())
+	cmd.AddCommand(newRegistryServeCmd(), newRegistryGCCmd(), newRegistryReindexCmd(), newRegistryStatsCmd(), newRegistryReadOnlyCmd())
 	return cmd
 }
 
@@ -238,6 +238,63 @@ nodes still loading such a snapshot lose its chunks.`,
 	cmd.Flags().DurationVar(&roWait, "read-only-wait", 0, "put the serving registries in read-only mode and wait this long before sweeping (0: they must be stopped)")
 	cmd.Flags().DurationVar(&grace, "grace", maintenance.DefaultGCGrace, "keep blobs and manifests pushed or mounted less than this long ago, with what those manifests reference (0: sweep them too)")
 	cmd.Flags().DurationVar(&roLease, "read-only-lease", maintenance.DefaultReadOnlyLease, "read-only mode lease, renewed every quarter of it while gc runs; it ends this long after a gc that died")
+	return cmd
+}
+
+func newRegistryReindexCmd() *cobra.Command {
+	var (
+		sf     storeFlags
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:   "reindex",
+		Short: "Rebuild the chunk index and the referrers from the stored manifests",
+		Long: `Reindex records every manifest of every repository in the storage again, as
+a push of it does: its referrer entry if it has a subject (what the
+referrers API lists, e.g. working-set profiles), and for a cryo file
+manifest its chunks in the chunk index (v1 entries, and v2 frame lists and
+anchors), each only after reading its blob and finding that it holds the
+chunk. What is recorded already stays.
+
+Run it when the index is lost or incomplete: the redis holding the anchors
+(--chunk-index-anchors redis) was flushed or replaced, the index's prefix in
+the storage (/cryo/v1) was deleted, or the storage was filled by other means
+than pushes to a cryo registry. Without an index nothing is wrong, only
+pushes dedup less. It reads every chunk blob once: as long as reading the
+storage. Registries may serve meanwhile; it writes only what their pushes
+would. Run it with the same --chunk-index-anchors as the registries.
+
+The latest v2 snapshot of each repository (the default --base of pushes)
+is not rebuilt: pushes fall back to the repository's newest tags.`,
+		Example: `  cryo registry reindex --root /var/lib/cryo-registry
+  cryo registry reindex --config /etc/cryo/registry.yaml --chunk-index-anchors redis`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			srv, err := sf.open(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer srv.Close()
+			res, err := srv.Reindex(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if err := writeJSON(cmd.OutOrStdout(), res); err != nil {
+					return err
+				}
+			} else {
+				fmt.Fprintf(cmd.OutOrStdout(), "reindex: %d manifests of %d repositories recorded\n", res.Manifests-res.Failed, res.Repositories)
+			}
+			if res.Failed > 0 {
+				return fmt.Errorf("%d of %d manifests could not be recorded (see the log); run reindex again once the storage answers", res.Failed, res.Manifests)
+			}
+			return nil
+		},
+	}
+	sf.register(cmd, false)
+	sf.registerAnchors(cmd)
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
 }
 
