@@ -78,6 +78,12 @@ type PackOptions struct {
 	// destination lacks before it is uploaded, and may make it, or a pack
 	// of some of its chunks, from frames the destination holds elsewhere.
 	Composer PackComposer
+	// PlainTables stores format v2 chunk tables as their JSON
+	// (MediaTypeChunkTableV2) instead of a zstd frame of it: about four
+	// times the table bytes, but the snapshot's digests then depend on
+	// no compressor's output, so that another implementation can write
+	// them byte for byte (SPEC.md 11, 15.3).
+	PlainTables bool
 }
 
 // PackComposer makes, in the destination, packs of frames the destination
@@ -740,10 +746,13 @@ func (p *packer) pushParts(ctx context.Context, f fileEntry, size int64, fileDig
 		if err != nil {
 			return nil, fmt.Errorf("internal error: %w", err)
 		}
-		if v == V2 {
+		tableType := v.tableMediaType()
+		if v == V2 && p.opts.PlainTables {
+			tableType = MediaTypeChunkTableV2
+		} else if v == V2 {
 			data = p.codec.CompressTable(data)
 		}
-		tdesc, err := p.pushBytes(ctx, v.tableMediaType(), "", data)
+		tdesc, err := p.pushBytes(ctx, tableType, "", data)
 		if err != nil {
 			return nil, fmt.Errorf("push chunk table of %s: %w", f.path, err)
 		}

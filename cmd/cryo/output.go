@@ -33,9 +33,10 @@ func writeJSON(w io.Writer, v any) error {
 // writes: the format version and, for v2, the snapshot whose packs it
 // reuses.
 type formatOptions struct {
-	version string
-	base    string
-	noBase  bool
+	version     string
+	base        string
+	noBase      bool
+	plainTables bool
 }
 
 // register adds --format (and, if withBase, --base and --no-base).
@@ -45,6 +46,7 @@ func (o *formatOptions) register(cmd *cobra.Command, withBase bool) {
 		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now, else the v2 snapshot the registry stored last in the repository, else the newest v2 snapshot among its last 16 tags)")
 		cmd.Flags().BoolVar(&o.noBase, "no-base", false, "v2: reference no earlier snapshot's packs; store every chunk anew")
 	}
+	cmd.Flags().BoolVar(&o.plainTables, "plain-tables", false, "v2: store chunk tables as plain JSON, not zstd-compressed: about 4x the table bytes, but the snapshot's digests depend on no compressor (SPEC.md 15.3)")
 }
 
 // pack returns the packing options the flags give.
@@ -53,7 +55,10 @@ func (o *formatOptions) pack(concurrency int) (format.PackOptions, error) {
 	if err != nil {
 		return format.PackOptions{}, fmt.Errorf("--format: %w", err)
 	}
-	return format.PackOptions{Concurrency: concurrency, Format: v}, nil
+	if o.plainTables && v != format.V2 {
+		return format.PackOptions{}, fmt.Errorf("--plain-tables needs --format v2 (v1 tables are plain JSON)")
+	}
+	return format.PackOptions{Concurrency: concurrency, Format: v, PlainTables: o.plainTables}, nil
 }
 
 // push returns the push options the flags give.
