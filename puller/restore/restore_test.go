@@ -22,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/gvisortest"
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/puller"
@@ -90,15 +91,18 @@ func resolve(t *testing.T, ref string, log *fetchLog) puller.Source {
 		t.Fatal(err)
 	}
 	for i, ep := range src.Endpoints {
-		src.Endpoints[i] = fetch.Endpoint{Name: ep.Name, Store: loggingFetcher{ep.Store, log}}
+		src.Endpoints[i] = fetch.Endpoint{Name: ep.Name, Store: loggingFetcher{Fetcher: ep.Store, log: log, endpoint: ep.Name}}
 	}
 	return src
 }
 
-// fetchLog records the digests fetched from a source's endpoints.
+// fetchLog records the digests fetched from a source's endpoints, whole
+// or by range.
 type fetchLog struct {
 	mu      sync.Mutex
 	fetched []digest.Digest
+	// from holds, for each fetch in fetched, the endpoint it went to.
+	from []string
 	// onFetch, if set, is called (outside mu) with the count of fetches
 	// so far as each fetch starts, before it reaches the registry.
 	onFetch func(n int)
@@ -110,20 +114,48 @@ func (l *fetchLog) digests() []digest.Digest {
 	return slices.Clone(l.fetched)
 }
 
-type loggingFetcher struct {
-	content.Fetcher
-	log *fetchLog
+// endpointsOf returns how many fetches of d went to each endpoint.
+func (l *fetchLog) endpointsOf(d digest.Digest) map[string]int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := map[string]int{}
+	for i, got := range l.fetched {
+		if got == d {
+			n[l.from[i]]++
+		}
+	}
+	return n
 }
 
-func (f loggingFetcher) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
-	f.log.mu.Lock()
-	f.log.fetched = append(f.log.fetched, desc.Digest)
-	n, hook := len(f.log.fetched), f.log.onFetch
-	f.log.mu.Unlock()
+func (l *fetchLog) add(endpoint string, d digest.Digest) {
+	l.mu.Lock()
+	l.fetched = append(l.fetched, d)
+	l.from = append(l.from, endpoint)
+	n, hook := len(l.fetched), l.onFetch
+	l.mu.Unlock()
 	if hook != nil {
 		hook(n)
 	}
+}
+
+// loggingFetcher logs every fetch of its endpoint's blobs, and passes
+// range reads on as range reads (format.OpenRange), as the endpoint it
+// wraps serves them.
+type loggingFetcher struct {
+	content.Fetcher
+	log      *fetchLog
+	endpoint string
+}
+
+func (f loggingFetcher) Fetch(ctx context.Context, desc ocispec.Descriptor) (io.ReadCloser, error) {
+	f.log.add(f.endpoint, desc.Digest)
 	return f.Fetcher.Fetch(ctx, desc)
+}
+
+// FetchRange implements format.RangeFetcher.
+func (f loggingFetcher) FetchRange(ctx context.Context, desc ocispec.Descriptor, off, n int64) (io.ReadCloser, error) {
+	f.log.add(f.endpoint, desc.Digest)
+	return format.OpenRange(ctx, f.Fetcher, desc, off, n)
 }
 
 // containerOutput makes new output files for the app's next restore, where
