@@ -46,7 +46,7 @@ func openStandalone(ctx context.Context, cfg gofer.Config, log *slog.Logger) (go
 	ref.Reference = cfg.Index.String()
 	src, err := puller.Resolve(ctx, ref.String(), puller.ResolveOptions{})
 	if err != nil {
-		return fail(fmt.Errorf("resolve %s: %w", ref, err))
+		return fail(err) // it names the reference
 	}
 	if src.Index.Digest != cfg.Index {
 		return fail(fmt.Errorf("%s resolved to snapshot %s, the gofer's config names %s: refusing to serve another snapshot", ref, src.Index.Digest, cfg.Index))
