@@ -88,7 +88,6 @@ func testReader(t *testing.T, data []byte) *reader {
 		log:        slog.New(slog.NewTextHandler(io.Discard, nil)),
 		src:        gofer.Local(memFiles{data}),
 		allowReads: true,
-		files:      checkpointFiles,
 		sizes:      map[string]int64{"pages.img": int64(len(data))},
 		bufs:       newBufPool(),
 	}

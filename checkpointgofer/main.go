@@ -1,7 +1,11 @@
 // Command checkpointgofer is cryo's gVisor checkpoint gofer: the sidecar
-// runsc starts when the image dir of a restore holds gcs_opts.json, and
-// through which the sentry reads checkpoint.img, pages_meta.img and
-// pages.img straight into the sandbox's memory. It serves the snapshot
+// runsc starts when the image dir of a restore or a checkpoint holds
+// gcs_opts.json, and through which the sentry reads checkpoint.img,
+// pages_meta.img and pages.img straight into the sandbox's memory (or
+// writes them, to the cryo checkpoint that started runsc), or a
+// filesystem checkpoint's fscheckpoint.pb, multitar.img, pages_meta.img
+// and pages.img (runsc fscheckpoint, runsc create
+// --fs-restore-image-path). For a restore it serves the snapshot
 // its gcs_opts.json names (cryo's gofer.Config) from a cryo process on
 // the node (the puller daemon, or the `cryo restore` that started runsc)
 // over that process's file API; or, with no socket in the config, from a
@@ -18,7 +22,8 @@
 //
 //	runsc-checkpointgofer [runsc global flags] checkpointgofer -sock-fd=3 -gcs-opts-fd=4 -allow-checkpoint-reads
 //
-// with /dev/null for stdio and GVISOR_ENFORCE_RELEASE set. It refuses to
+// (or one of -allow-checkpoint-writes, -allow-fscheckpoint-reads and
+// -allow-fscheckpoint-writes instead) with /dev/null for stdio and GVISOR_ENFORCE_RELEASE set. It refuses to
 // serve a runsc of another gVisor release, whatever that variable's
 // policy says. `checkpointgofer --version` prints the release it was
 // built from.
@@ -159,7 +164,7 @@ func run(ctx context.Context, args []string) error {
 		log.Error("mode", "err", err)
 		return err
 	}
-	impl := &server{ctx: ctx, log: log, bufs: newBufPool(), image: image, files: image.files()}
+	impl := &server{ctx: ctx, log: log, bufs: newBufPool(), image: image}
 	switch {
 	case cfg.Checkpoint && image.writes():
 		c := gofer.NewClient(cfg.Socket, cfg.Mount, "", 0)

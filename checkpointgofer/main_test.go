@@ -175,7 +175,7 @@ func TestImageModes(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := &server{ctx: ctx, log: slog.New(slog.NewTextHandler(io.Discard, nil)), src: gofer.Local(fsckpt),
-		allowReads: true, image: fsRestoreMode, files: fsRestoreMode.files(), sizes: sizes, bufs: newBufPool()}
+		allowReads: true, image: fsRestoreMode, sizes: sizes, bufs: newBufPool()}
 	for _, path := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img", "pages.img"} {
 		r, err := s.OpenRead(path)
 		if err != nil {
@@ -187,11 +187,11 @@ func TestImageModes(t *testing.T) {
 	if _, err := s.OpenRead("checkpoint.img"); err == nil {
 		t.Error("a filesystem restore opened checkpoint.img")
 	}
-	s.image, s.files = restoreMode, restoreMode.files()
+	s.image = restoreMode
 	if _, err := s.OpenRead("multitar.img"); err == nil {
 		t.Error("a restore opened multitar.img")
 	}
-	w := &server{ctx: ctx, log: s.log, image: checkpointMode, files: checkpointMode.files(), uploads: gofer.NewClient(filepath.Join(t.TempDir(), "none.sock"), "m", "", 0)}
+	w := &server{ctx: ctx, log: s.log, image: checkpointMode, uploads: gofer.NewClient(filepath.Join(t.TempDir(), "none.sock"), "m", "", 0)}
 	if _, err := w.OpenWrite("fscheckpoint.pb"); err == nil || !strings.Contains(err.Error(), "no file of a checkpoint image") {
 		t.Errorf("a checkpoint opened fscheckpoint.pb for writing: %v", err)
 	}

@@ -55,10 +55,9 @@ type server struct {
 	log        *slog.Logger
 	src        gofer.Source
 	allowReads bool
-	// image is what runsc asked the gofer for; files are the files of
-	// its kind of image, the only ones the sentry may open.
+	// image is what runsc asked the gofer for: the sentry may open the
+	// files of its kind of image only (image.files()).
 	image imageMode
-	files []string
 	// sizes are the sizes of the checkpoint files the snapshot has, asked
 	// before serving (statFiles).
 	sizes   map[string]int64
@@ -79,8 +78,8 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 	if !s.allowReads {
 		return nil, fmt.Errorf("cryo checkpoint gofer: reads not allowed (runsc asked for a %s)", s.image)
 	}
-	if !slices.Contains(s.files, path) {
-		return nil, fmt.Errorf("cryo checkpoint gofer: %q is no file of a %s image (%s)", path, s.image.kind(), strings.Join(s.files, ", "))
+	if !slices.Contains(s.image.files(), path) {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %q is no file of a %s image (%s)", path, s.image.kind(), strings.Join(s.image.files(), ", "))
 	}
 	size, ok := s.sizes[path]
 	if !ok {
@@ -104,8 +103,8 @@ func (s *server) OpenWrite(path string) (stateio.AsyncWriter, error) {
 	if s.uploads == nil {
 		return nil, fmt.Errorf("cryo checkpoint gofer: writes not allowed (runsc asked for a %s)", s.image)
 	}
-	if !slices.Contains(s.files, path) {
-		return nil, fmt.Errorf("cryo checkpoint gofer: %q is no file of a %s image (%s)", path, s.image.kind(), strings.Join(s.files, ", "))
+	if !slices.Contains(s.image.files(), path) {
+		return nil, fmt.Errorf("cryo checkpoint gofer: %q is no file of a %s image (%s)", path, s.image.kind(), strings.Join(s.image.files(), ", "))
 	}
 	refs, err := s.uploads.UploadRefs(s.ctx, path)
 	if err == nil {

@@ -80,9 +80,10 @@ type PackOptions struct {
 	Composer PackComposer
 	// PlainTables stores format v2 chunk tables as their JSON
 	// (MediaTypeChunkTableV2) instead of a zstd frame of it: about four
-	// times the table bytes, but the snapshot's digests then depend on
-	// no compressor's output, so that another implementation can write
-	// them byte for byte (SPEC.md 11, 15.3).
+	// times the table bytes, but the tables' digests then depend on no
+	// compressor's output (zstd-encoded chunks still do), so that another
+	// implementation can write a snapshot whose chunks do not compress
+	// byte for byte (SPEC.md 11, 15.3).
 	PlainTables bool
 }
 

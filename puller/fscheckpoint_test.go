@@ -3,6 +3,7 @@ package puller_test
 import (
 	"bufio"
 	"context"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -12,62 +13,105 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/internal/gvisortest"
+	"golang.org/x/sys/unix"
 )
 
-// startMount starts `cryo mount ARGS...` and waits for its ready line. It
-// returns the environment its "env:" line gives runsc (empty for a FUSE
-// mount) and the running command, killed when the test ends.
-func (e *restoreEnv) startMount(t *testing.T, args ...string) (env string, mount *exec.Cmd, stderr *strings.Builder) {
+// runningMount is a `cryo mount` started by startMount.
+type runningMount struct {
+	cmd    *exec.Cmd
+	stderr *strings.Builder
+	// exited is closed once cmd exited, with err its Wait's error.
+	exited chan struct{}
+	err    error
+}
+
+// startMount starts `cryo mount [--backend gofer] ARGS... DIR` (a FUSE
+// mount unless gofer) and waits for its ready line. It returns the
+// environment its "env:" line gives runsc (empty for a FUSE mount) and
+// the mount. When the test ends a mount still running gets SIGTERM (a
+// killed one cannot unmount), then SIGKILL after 30 s, and a FUSE mount
+// left at dir is detached.
+func (e *restoreEnv) startMount(t *testing.T, gofer bool, dir string, args ...string) (string, *runningMount) {
 	t.Helper()
-	mount = e.command(context.Background(), append([]string{"mount"}, args...)...)
-	stdout, err := mount.StdoutPipe()
+	if gofer {
+		args = append([]string{"--backend", "gofer"}, args...)
+	}
+	m := &runningMount{cmd: e.command(context.Background(), append(append([]string{"mount"}, args...), dir)...), stderr: &strings.Builder{}, exited: make(chan struct{})}
+	stdout, err := m.cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
-	stderr = &strings.Builder{}
-	mount.Stderr = stderr
-	if err := mount.Start(); err != nil {
+	m.cmd.Stderr = m.stderr
+	if err := m.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		if mount.ProcessState == nil {
-			mount.Process.Kill()
-			mount.Wait()
-		}
-	})
-	// The env line, if any, follows the ready line.
+	// Every line is read to the end, so that the mount never blocks on
+	// its stdout; the test waits only for the first it wants.
 	lines := make(chan string, 16)
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
-			lines <- sc.Text()
+			select {
+			case lines <- sc.Text():
+			default:
+			}
 		}
 		close(lines)
+		m.err = m.cmd.Wait()
+		close(m.exited)
 	}()
-	ready := false
+	t.Cleanup(func() {
+		select {
+		case <-m.exited:
+		default:
+			m.cmd.Process.Signal(syscall.SIGTERM)
+			select {
+			case <-m.exited:
+			case <-time.After(30 * time.Second):
+				m.cmd.Process.Kill()
+				<-m.exited
+			}
+		}
+		if !gofer {
+			unix.Unmount(dir, unix.MNT_DETACH) // nothing there if it ended cleanly
+		}
+	})
+	want := "ready: "
+	if gofer {
+		want = "env: "
+	}
 	timeout := time.After(2 * time.Minute)
 	for {
 		select {
 		case line, ok := <-lines:
 			if !ok {
-				t.Fatalf("cryo mount %q ended before it was ready:\n%s", args, stderr.String())
+				<-m.exited
+				t.Fatalf("cryo mount %q ended before it was ready (%v):\n%s", args, m.err, m.stderr.String())
 			}
-			if v, ok := strings.CutPrefix(line, "env: "); ok {
-				return v, mount, stderr
-			}
-			if strings.HasPrefix(line, "ready: ") {
-				ready = true
-				if !strings.Contains(line, "gofer") {
-					go func() {
-						for range lines {
-						}
-					}()
-					return "", mount, stderr
+			if v, ok := strings.CutPrefix(line, want); ok {
+				if gofer {
+					return v, m
 				}
+				return "", m
 			}
 		case <-timeout:
-			t.Fatalf("cryo mount %q: not ready (ready line seen: %v) after 2 minutes:\n%s", args, ready, stderr.String())
+			t.Fatalf("cryo mount %q: no %q line after 2 minutes:\n%s", args, want, m.stderr.String())
 		}
+	}
+}
+
+// stop ends the mount with SIGTERM and fails t unless it exits cleanly
+// within 30 s.
+func (m *runningMount) stop(t *testing.T) {
+	t.Helper()
+	m.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-m.exited:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("cryo mount still running 30 s after SIGTERM:\n%s", m.stderr.String())
+	}
+	if m.err != nil {
+		t.Errorf("cryo mount after SIGTERM: %v\n%s", m.err, m.stderr.String())
 	}
 }
 
@@ -98,8 +142,8 @@ func TestFilesystemCheckpoint(t *testing.T) {
 	defer cancel()
 	out, err := e.command(ctx, append(args, app.ID(), ref)...).CombinedOutput()
 	if err != nil {
-		logged, _ := filepath.Glob(goferLog)
-		t.Fatalf("cryo checkpoint --filesystem: %v\n%s\ngofer log %v", err, out, logged)
+		logged, _ := os.ReadFile(goferLog)
+		t.Fatalf("cryo checkpoint --filesystem: %v\n%s\ngofer log:\n%s", err, out, logged)
 	}
 	if !strings.Contains(string(out), "runsc fscheckpoint returned") {
 		t.Errorf("cryo checkpoint --filesystem printed:\n%s", out)
@@ -115,30 +159,26 @@ func TestFilesystemCheckpoint(t *testing.T) {
 	}
 
 	for _, tc := range []struct {
-		name string
-		args []string
-	}{
-		{"gofer", []string{"--backend", "gofer", "--runsc", e.runsc}},
-		{"fuse", []string{"--backend", "fuse"}},
-	} {
+		name  string
+		gofer bool
+	}{{"gofer", true}, {"fuse", false}} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := filepath.Join(t.TempDir(), "img")
-			env, mount, stderr := e.startMount(t, append(tc.args, "--cache", t.TempDir(), ref, dir)...)
+			env, mount := e.startMount(t, tc.gofer, dir, "--runsc", e.runsc, "--cache", t.TempDir(), ref)
 			var extra []string
 			if env != "" {
 				extra = []string{env}
 			}
 			got := app.RunFromFS(t, dir, extra, "/bin/sh", "-c", "sha256sum /cryo-data /cryo-note")
 			if got != want {
-				t.Errorf("the new sandbox reads\n%s\nthe checkpointed one wrote\n%s\ncryo mount:\n%s", got, want, stderr.String())
+				t.Errorf("the new sandbox reads\n%s\nthe checkpointed one wrote\n%s\ncryo mount:\n%s", got, want, mount.stderr.String())
 			}
-			mount.Process.Signal(syscall.SIGTERM)
-			if err := mount.Wait(); err != nil {
-				t.Errorf("cryo mount after SIGTERM: %v\n%s", err, stderr.String())
-			}
+			mount.stop(t)
 		})
 	}
 
+	ctx, cancel = context.WithTimeout(context.Background(), restoreTimeout)
+	defer cancel()
 	restore := e.command(ctx, "restore", "--runsc", e.runsc, ref, "--bundle="+app.BundleDir(), "other")
 	out, err = restore.CombinedOutput()
 	if err == nil || !strings.Contains(string(out), "is a filesystem checkpoint") {

@@ -4,7 +4,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,9 +28,9 @@ func TestMountThroughGofer(t *testing.T) {
 	e.push(t, img, ref)
 
 	dir := filepath.Join(t.TempDir(), "img")
-	env, mount, stderr := e.startMount(t, "--backend", "gofer", "--runsc", e.runsc, "--cache", e.cacheDir, ref, dir)
+	env, mount := e.startMount(t, true, dir, "--runsc", e.runsc, "--cache", e.cacheDir, ref)
 	if !strings.HasPrefix(env, "GVISOR_SIDECAR_BINARIES_DIR=") {
-		t.Fatalf("cryo mount --backend gofer printed no env line (got %q):\n%s", env, stderr.String())
+		t.Fatalf("cryo mount --backend gofer printed no env line (got %q):\n%s", env, mount.stderr.String())
 	}
 	ents, _ := os.ReadDir(dir)
 	if len(ents) != 1 || ents[0].Name() != gofer.ConfigFile {
@@ -55,10 +54,7 @@ func TestMountThroughGofer(t *testing.T) {
 	if out, err := app.Command("wait", "--restore", app.ID()).CombinedOutput(); err != nil {
 		t.Fatalf("runsc wait --restore: %v\n%s", err, out)
 	}
-	mount.Process.Signal(syscall.SIGTERM)
-	if err := mount.Wait(); err != nil {
-		t.Errorf("cryo mount after SIGTERM: %v\n%s", err, stderr.String())
-	}
+	mount.stop(t)
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("image dir %s left after the mount ended: %v", dir, err)
 	}

@@ -2,7 +2,9 @@ package registry
 
 import (
 	"context"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
@@ -21,7 +23,8 @@ import (
 // storage (as a lost redis or a wiped prefix would), and runs Reindex:
 // lookups answer again, the referrer is listed again, and new pushes to
 // other repositories reuse what is stored (v1 by lookups, v2 by
-// compositions) as much as on a registry whose index was never lost.
+// compositions) as much as on a registry whose index was never lost. It
+// refuses to run while a garbage collection holds read-only mode.
 func TestReindexBringsBackALostIndex(t *testing.T) {
 	ctx := context.Background()
 	reg := startRegistry(t, "")
@@ -115,6 +118,16 @@ func TestReindexBringsBackALostIndex(t *testing.T) {
 			againV2.Stats.UploadedBytes, againV2.Stats.ComposedBytes, want.Stats.UploadedBytes, want.Stats.ComposedBytes, firstV2.Stats.StoredBytes)
 	}
 	pullsBack(t, b2, tag, srcV2)
+
+	// Not while a garbage collection holds read-only mode.
+	lease, err := reg.srv.Maintenance().EnterReadOnly(ctx, "garbage collection", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lease.Release(ctx)
+	if _, err := reg.srv.Reindex(ctx); err == nil || !strings.Contains(err.Error(), "read-only") {
+		t.Errorf("reindex during read-only mode: %v, want it refused", err)
+	}
 }
 
 // firstChunk returns the digest of a stored (not zero) chunk of the

@@ -3,6 +3,7 @@ package registry
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -71,53 +72,68 @@ func (s *Server) Stats(ctx context.Context) (*Stats, error) {
 			st.addChunks(payload, seenChunk)
 		}
 		return nil
-	})
-	if err != nil {
+	}, nil)
+	if err != nil && !errors.Is(err, errNoEnumeration) {
 		return nil, err
 	}
 	return st, nil
 }
 
+// errNoEnumeration is eachManifest's error for a storage whose
+// namespace cannot list its repositories.
+var errNoEnumeration = errors.New("the registry's storage cannot list its repositories")
+
 // eachManifest calls repo with the name of every repository in the
 // storage, then fn with each manifest stored in it (its digest, media
-// type and bytes). Manifests deleted meanwhile, or that do not parse, are
-// skipped.
-func (s *Server) eachManifest(ctx context.Context, repo func(name string), fn func(repo string, d digest.Digest, mediaType string, payload []byte) error) error {
+// type and bytes). Manifests deleted meanwhile are skipped; a manifest
+// that cannot be read or parsed goes to fail, if set (else it is
+// skipped too).
+func (s *Server) eachManifest(ctx context.Context, repo func(name string), fn func(repo string, d digest.Digest, mediaType string, payload []byte) error, fail func(repo string, d digest.Digest, err error)) error {
 	enum, ok := s.ns.(distribution.RepositoryEnumerator)
 	if !ok {
-		return nil
+		return errNoEnumeration
+	}
+	if fail == nil {
+		fail = func(string, digest.Digest, error) {}
 	}
 	err := enum.Enumerate(ctx, func(name string) error {
 		repo(name)
 		named, err := reference.WithName(name)
 		if err != nil {
+			fail(name, "", err)
 			return nil
 		}
 		r, err := s.ns.Repository(ctx, named)
 		if err != nil {
-			return err
+			return fmt.Errorf("repository %s: %w", name, err)
 		}
 		ms, err := r.Manifests(ctx)
 		if err != nil {
-			return err
+			return fmt.Errorf("manifests of %s: %w", name, err)
 		}
 		me, ok := ms.(distribution.ManifestEnumerator)
 		if !ok {
-			return nil
+			return fmt.Errorf("manifests of %s: %w", name, errNoEnumeration)
 		}
 		err = me.Enumerate(ctx, func(d digest.Digest) error {
 			m, err := ms.Get(ctx, d)
+			var unknown distribution.ErrManifestUnknownRevision
+			if errors.As(err, &unknown) || extstore.IsNotFound(err) {
+				return nil // deleted meanwhile
+			}
 			if err != nil {
+				fail(name, d, err)
 				return nil
 			}
 			mt, payload, err := m.Payload()
 			if err != nil {
+				fail(name, d, err)
 				return nil
 			}
 			return fn(name, d, mt, payload)
 		})
 		if err != nil && !extstore.IsNotFound(err) {
-			return err
+			return fmt.Errorf("manifests of %s: %w", name, err)
 		}
 		return nil
 	})

@@ -46,7 +46,7 @@ func (o *formatOptions) register(cmd *cobra.Command, withBase bool) {
 		cmd.Flags().StringVar(&o.base, "base", "", "v2: tag or digest of an earlier v2 snapshot in the same repository whose packs the new one may reference (default: what the tag pushed to names now, else the v2 snapshot the registry stored last in the repository, else the newest v2 snapshot among its last 16 tags)")
 		cmd.Flags().BoolVar(&o.noBase, "no-base", false, "v2: reference no earlier snapshot's packs; store every chunk anew")
 	}
-	cmd.Flags().BoolVar(&o.plainTables, "plain-tables", false, "v2: store chunk tables as plain JSON, not zstd-compressed: about 4x the table bytes, but the snapshot's digests depend on no compressor (SPEC.md 15.3)")
+	cmd.Flags().BoolVar(&o.plainTables, "plain-tables", false, "v2: store chunk tables as plain JSON, not zstd-compressed: about 4x the table bytes, but the tables' and manifests' digests depend on no compressor (chunks stored zstd-encoded still do; SPEC.md 15.3)")
 }
 
 // pack returns the packing options the flags give.

@@ -32,10 +32,10 @@ func (f *storeFlags) register(cmd *cobra.Command, withAddr bool) {
 }
 
 // registerAnchors adds --chunk-index-anchors, for the commands that
-// write or prune the chunk index (serve, gc).
+// write or prune the chunk index (serve, gc, reindex).
 func (f *storeFlags) registerAnchors(cmd *cobra.Command) {
 	cmd.Flags().StringVar(&f.anchors, "chunk-index-anchors", registry.AnchorsStorage,
-		`where the chunk index keeps the anchors of format v2 snapshots: "storage" (beside the rest of the index, in the storage driver) or "redis" (the configuration's redis, which replicas share: one round trip per lookup instead of a LIST and a GET on an object store); every replica and gc must use the same`)
+		`where the chunk index keeps the anchors of format v2 snapshots: "storage" (beside the rest of the index, in the storage driver) or "redis" (the configuration's redis, which replicas share: one round trip per lookup instead of a LIST and a GET on an object store); every replica, gc and reindex must use the same`)
 }
 
 func (f *storeFlags) load() (*configuration.Configuration, error) {
@@ -252,17 +252,19 @@ func newRegistryReindexCmd() *cobra.Command {
 		Long: `Reindex records every manifest of every repository in the storage again, as
 a push of it does: its referrer entry if it has a subject (what the
 referrers API lists, e.g. working-set profiles), and for a cryo file
-manifest its chunks in the chunk index (v1 entries, and v2 frame lists and
-anchors), each only after reading its blob and finding that it holds the
-chunk. What is recorded already stays.
+manifest its chunks in the chunk index: v1 entries, each only after
+reading its blob and finding that it holds the chunk, and v2 frame lists
+and anchors, hints checked when a composition uses them. What is recorded
+already stays.
 
 Run it when the index is lost or incomplete: the redis holding the anchors
 (--chunk-index-anchors redis) was flushed or replaced, the index's prefix in
 the storage (/cryo/v1) was deleted, or the storage was filled by other means
 than pushes to a cryo registry. Without an index nothing is wrong, only
-pushes dedup less. It reads every chunk blob once: as long as reading the
-storage. Registries may serve meanwhile; it writes only what their pushes
-would. Run it with the same --chunk-index-anchors as the registries.
+pushes dedup less. It reads every v1 chunk blob once, and records one
+manifest at a time. Registries may serve meanwhile (it writes only what
+their pushes would), but not gc: it refuses to start in read-only mode.
+Run it with the same --chunk-index-anchors as the registries.
 
 The latest v2 snapshot of each repository (the default --base of pushes)
 is not rebuilt: pushes fall back to the repository's newest tags.`,

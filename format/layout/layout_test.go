@@ -16,7 +16,8 @@ import (
 )
 
 // TestLayoutAsSpecified checks the OCI layout SPEC.md section 10 names:
-// oci-layout, every blob under blobs/sha256/<hex> with its digest,
+// oci-layout, every manifest index.json lists under blobs/sha256/<hex>
+// with its digest and size,
 // index.json listing the tagged snapshot index with
 // org.opencontainers.image.ref.name and every other manifest (part
 // manifests, and a snapshot whose tag moved on) without it; a snapshot

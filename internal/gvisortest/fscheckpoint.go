@@ -1,6 +1,7 @@
 package gvisortest
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -52,9 +53,19 @@ func (a *App) RunFromFS(t testing.TB, imageDir string, env []string, args ...str
 			t.Errorf("gvisortest: runsc delete %s: %v: %s", id, err, out)
 		}
 	}()
-	run := func(cmd *exec.Cmd) {
-		t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultTimeout)
+	defer cancel()
+	// Every runsc command is bounded by DefaultTimeout: a sandbox that
+	// never exits fails the test instead of hanging it.
+	command := func(args ...string) *exec.Cmd {
+		c := a.Command(args...)
+		cmd := exec.CommandContext(ctx, c.Path, c.Args[1:]...)
 		cmd.Env = append(os.Environ(), env...)
+		return cmd
+	}
+	run := func(args ...string) {
+		t.Helper()
+		cmd := command(args...)
 		out, err := cmd.CombinedOutput()
 		if err != nil {
 			t.Fatalf("gvisortest: %s: %v: %s", strings.Join(cmd.Args, " "), err, strings.TrimSpace(string(out)))
@@ -68,14 +79,13 @@ func (a *App) RunFromFS(t testing.TB, imageDir string, env []string, args ...str
 		t.Fatalf("gvisortest: %v", err)
 	}
 	defer stderr.Close()
-	create := a.Command("create", "--bundle="+bundle, "--fs-restore-image-path="+imageDir, id)
-	create.Env = append(os.Environ(), env...)
+	create := command("create", "--bundle="+bundle, "--fs-restore-image-path="+imageDir, id)
 	create.Stdout, create.Stderr = stdout, stderr
 	if err := create.Run(); err != nil {
 		t.Fatalf("gvisortest: runsc create --fs-restore-image-path=%s: %v: %s", imageDir, err, a.tail(errPath))
 	}
-	run(a.Command("start", id))
-	run(a.Command("wait", id))
+	run("start", id)
+	run("wait", id)
 	out, err := os.ReadFile(outPath)
 	if err != nil {
 		t.Fatalf("gvisortest: %v", err)

@@ -27,6 +27,19 @@ func (a *App) StateDir() string { return a.stateDir }
 // Runsc returns the runsc binary the app runs with.
 func (a *App) Runsc() string { return a.runsc }
 
+// GoesOn fails t unless the restored app goes on from its checkpoint:
+// its next count is last+1 (it did not start again) and its buffer's hash
+// is the one it printed at start (no page is wrong).
+func (a *App) GoesOn(t testing.TB, last int) {
+	t.Helper()
+	if n := a.NextCount(t); n != last+1 {
+		t.Errorf("restored app counts %d, want %d (it should go on from the checkpoint, not restart)", n, last+1)
+	}
+	if h := a.Hash(t); h != a.startHash {
+		t.Errorf("memory hash after restore %s, at start %s", h, a.startHash)
+	}
+}
+
 // RestoreCmd is a command started by StartRestoreWith in place of
 // `runsc restore`.
 type RestoreCmd struct {

@@ -54,11 +54,13 @@ type Options struct {
 	// LeaveRunning keeps the sandbox running after the checkpoint
 	// (runsc checkpoint --leave-running).
 	LeaveRunning bool
-	// Filesystem takes a filesystem checkpoint (runsc fscheckpoint) of
-	// the paths Paths inside the sandbox (runsc's default, "/", if none),
+	// Filesystem takes a filesystem checkpoint (runsc fscheckpoint)
 	// instead of a checkpoint of the whole sandbox.
 	Filesystem bool
-	Paths      []string
+	// Paths are, for a filesystem checkpoint, the mount points inside the
+	// sandbox whose upper layers it saves (runsc fscheckpoint --path;
+	// runsc's default, "/", if none).
+	Paths []string
 	// GoferDir holds cryo's checkpointgofer, of the local runsc's gVisor
 	// release (required).
 	GoferDir string
@@ -96,6 +98,9 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	start := time.Now()
 	if opts.ContainerID == "" || opts.Repo == nil || opts.Tag == "" {
 		return nil, errors.New("checkpoint: a container, a repository and a tag are needed")
+	}
+	if len(opts.Paths) > 0 && !opts.Filesystem {
+		return nil, errors.New("checkpoint: paths are for a filesystem checkpoint")
 	}
 	if opts.Runsc == "" {
 		opts.Runsc = "runsc"
@@ -137,8 +142,6 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 		for _, p := range opts.Paths {
 			args = append(args, "--path="+p)
 		}
-	} else if len(opts.Paths) > 0 {
-		return nil, errors.New("checkpoint: paths are for a filesystem checkpoint")
 	}
 	if opts.LeaveRunning {
 		args = append(args, "--leave-running")

@@ -74,12 +74,7 @@ func TestStandaloneGoferUsesNodeCredentials(t *testing.T) {
 		logged, _ := os.ReadFile(logFile)
 		t.Fatalf("runsc restore with the node's credentials: %v\ngofer log:\n%s", err, logged)
 	}
-	if n := app.NextCount(t); n != last+1 {
-		t.Errorf("restored app counts %d, want %d", n, last+1)
-	}
-	if h := app.Hash(t); h != app.StartHash() {
-		t.Errorf("memory hash after restore %s, at start %s", h, app.StartHash())
-	}
+	app.GoesOn(t, last)
 	app.WaitRestored(t)
 	if !slices.Contains(gate.Seen(), testenv.BasicAuth("alice", "s3cret")) {
 		t.Errorf("the registry never saw the store's credentials (%d requests)", gate.Requests())

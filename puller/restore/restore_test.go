@@ -214,12 +214,7 @@ func (e *env) restoreApp(t *testing.T, p *puller.Puller, src puller.Source, opts
 	if r.err != nil {
 		t.Fatalf("Restore: %v", r.err)
 	}
-	if n := app.NextCount(t); n != last+1 {
-		t.Errorf("restored app counts %d, want %d (it should go on from the checkpoint, not restart)", n, last+1)
-	}
-	if h := app.Hash(t); h != app.StartHash() {
-		t.Errorf("memory hash after restore %s, at start %s", h, app.StartHash())
-	}
+	app.GoesOn(t, last)
 	if mps := mountsUnder(t, e.cacheDir); len(mps) != 0 {
 		t.Errorf("Restore returned and left mounts: %v", mps)
 	}
