@@ -41,6 +41,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/sentry/state/stateipc"
@@ -239,9 +240,12 @@ func (f flags) image() (imageMode, error) {
 // writes reports whether the sentry writes an image (a checkpoint).
 func (m imageMode) writes() bool { return m == checkpointMode || m == fsCheckpointMode }
 
+// filesystem reports whether m is for a filesystem checkpoint's image.
+func (m imageMode) filesystem() bool { return m == fsRestoreMode || m == fsCheckpointMode }
+
 // files returns the files of m's kind of image.
 func (m imageMode) files() []string {
-	if m == fsRestoreMode || m == fsCheckpointMode {
+	if m.filesystem() {
 		return fsCheckpointFiles
 	}
 	return checkpointFiles
@@ -249,7 +253,7 @@ func (m imageMode) files() []string {
 
 // kind names m's kind of image.
 func (m imageMode) kind() string {
-	if m == fsRestoreMode || m == fsCheckpointMode {
+	if m.filesystem() {
 		return "filesystem checkpoint"
 	}
 	return "checkpoint"
@@ -298,7 +302,7 @@ func statFiles(ctx context.Context, src gofer.Source, m imageMode) (map[string]i
 	pagesOptional := m == restoreMode
 	for _, path := range m.files() {
 		n, err := src.Size(ctx, path)
-		if errors.Is(err, os.ErrNotExist) && pagesOptional && path != "checkpoint.img" {
+		if errors.Is(err, os.ErrNotExist) && pagesOptional && path != format.CheckpointFile {
 			continue
 		}
 		if errors.Is(err, os.ErrNotExist) && path == m.files()[0] {

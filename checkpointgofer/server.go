@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"unsafe"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/profile"
@@ -28,8 +29,8 @@ import (
 // --fs-restore-image-path), whose pages files hold the sandbox's overlay
 // upper layers, not its memory.
 var (
-	checkpointFiles   = []string{"checkpoint.img", "pages_meta.img", "pages.img"}
-	fsCheckpointFiles = []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img", "pages.img"}
+	checkpointFiles   = []string{format.CheckpointFile, format.PagesMetaFile, format.PagesFile}
+	fsCheckpointFiles = []string{format.FSManifestFile, format.FSMultiTarFile, format.PagesMetaFile, format.PagesFile}
 )
 
 // Read sizes and parallelism the gofer offers the sentry. The sentry

@@ -45,27 +45,25 @@ func (s *Server) Reindex(ctx context.Context) (*ReindexResult, error) {
 		return nil, fmt.Errorf("reindex: the storage is in read-only mode (%s, held by %s until %s): run reindex once it ends", marker.Reason, marker.Holder, marker.Expires.Format(time.RFC3339))
 	}
 	res := &ReindexResult{}
-	failed := func(repo string, d digest.Digest, what string, err error) {
-		s.log.Error("reindex: "+what, "repository", repo, "digest", d, "err", err)
-		res.Failed++
-	}
 	err = s.eachManifest(ctx, func(string) { res.Repositories++ }, func(repo string, d digest.Digest, mediaType string, payload []byte) error {
 		res.Manifests++
-		_, rerr := s.refs.Record(ctx, repo, d, payload, mediaType)
-		if rerr != nil {
-			failed(repo, d, "record referrer", rerr)
+		ok := true
+		if _, err := s.refs.Record(ctx, repo, d, payload, mediaType); err != nil {
+			s.log.Error("reindex: record referrer", "repository", repo, "digest", d, "err", err)
+			ok = false
 		}
 		if err := s.chunks.IndexManifest(ctx, repo, payload); err != nil {
-			if rerr == nil {
-				failed(repo, d, "index chunks", err)
-			} else {
-				s.log.Error("reindex: index chunks", "repository", repo, "digest", d, "err", err)
-			}
+			s.log.Error("reindex: index chunks", "repository", repo, "digest", d, "err", err)
+			ok = false
+		}
+		if !ok {
+			res.Failed++
 		}
 		return ctx.Err()
 	}, func(repo string, d digest.Digest, err error) {
+		s.log.Error("reindex: read manifest", "repository", repo, "digest", d, "err", err)
 		res.Manifests++
-		failed(repo, d, "read manifest", err)
+		res.Failed++
 	})
 	if err != nil {
 		return nil, fmt.Errorf("reindex: %w", err)

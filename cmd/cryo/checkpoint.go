@@ -89,7 +89,7 @@ checks before it starts runsc. Credentials: as cryo push.`,
 				return writeJSON(cmd.OutOrStdout(), res)
 			}
 			printPushed(cmd.OutOrStdout(), fmt.Sprintf("checkpointed %s to %s", args[0], args[1]), &res.PushResult,
-				fmt.Sprintf("%.2fs (runsc %s returned after %.2fs)", res.Pushed.Seconds(), runscCommand(filesystem), res.Checkpointed.Seconds()))
+				fmt.Sprintf("%.2fs (runsc %s returned after %.2fs)", res.Pushed.Seconds(), res.Command, res.Checkpointed.Seconds()))
 			return nil
 		},
 	}
@@ -106,12 +106,4 @@ checks before it starts runsc. Credentials: as cryo push.`,
 	cmd.Flags().BoolVar(&noChunkIndex, "no-chunk-index", false, "do not use cryo's registry extensions: no chunk index lookups (v1), no pack composition and no latest-snapshot base (v2); HEAD each blob, upload what is missing")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
 	return cmd
-}
-
-// runscCommand names the runsc command cryo checkpoint runs.
-func runscCommand(filesystem bool) string {
-	if filesystem {
-		return "fscheckpoint"
-	}
-	return "checkpoint"
 }

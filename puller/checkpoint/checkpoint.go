@@ -83,6 +83,8 @@ type Result struct {
 	Checkpointed, Pushed time.Duration
 	// Files are the sizes of the files the sentry wrote.
 	Files map[string]int64
+	// Command is the runsc command run: checkpoint or fscheckpoint.
+	Command string
 }
 
 // finishTries is how many times the index and tag are pushed (1 s, 2 s,
@@ -132,17 +134,16 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	if err := gofer.WriteImageDir(img, gofer.Config{MediaType: gofer.MediaType, Reference: ref.String(), Checkpoint: true, Socket: session.Socket, Mount: sessionID, Log: opts.GoferLog}); err != nil {
 		return nil, err
 	}
-	command, first := "checkpoint", format.CheckpointFile
-	args := append(append([]string{}, opts.RunscFlags...), "checkpoint", "--image-path="+img, "--compression=none")
+	command, first, cmdFlags := "checkpoint", format.CheckpointFile, []string{"--compression=none"}
 	if opts.Filesystem {
 		// fscheckpoint writes its files uncompressed: it has no
 		// --compression.
-		command, first = "fscheckpoint", format.FSManifestFile
-		args = append(append([]string{}, opts.RunscFlags...), "fscheckpoint", "--image-path="+img)
+		command, first, cmdFlags = "fscheckpoint", format.FSManifestFile, nil
 		for _, p := range opts.Paths {
-			args = append(args, "--path="+p)
+			cmdFlags = append(cmdFlags, "--path="+p)
 		}
 	}
+	args := append(append(append([]string{}, opts.RunscFlags...), command, "--image-path="+img), cmdFlags...)
 	if opts.LeaveRunning {
 		args = append(args, "--leave-running")
 	}
@@ -183,7 +184,7 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("every file is in the registry, but the snapshot index or its tag is not (%d tries): %w", try, err)
 	}
-	return &Result{PushResult: *res, Checkpointed: checkpointed, Pushed: time.Since(start), Files: files}, nil
+	return &Result{PushResult: *res, Checkpointed: checkpointed, Pushed: time.Since(start), Files: files, Command: command}, nil
 }
 
 // countingSink records the files a sink took, and why others failed.
