@@ -243,13 +243,9 @@ func (m imageMode) writes() bool { return m == checkpointMode || m == fsCheckpoi
 // filesystem reports whether m is for a filesystem checkpoint's image.
 func (m imageMode) filesystem() bool { return m == fsRestoreMode || m == fsCheckpointMode }
 
-// files returns the files of m's kind of image.
-func (m imageMode) files() []string {
-	if m.filesystem() {
-		return fsCheckpointFiles
-	}
-	return checkpointFiles
-}
+// files returns the files of m's kind of image, the only ones the gofer
+// serves or takes.
+func (m imageMode) files() []string { return format.ImageFiles(m.filesystem()) }
 
 // kind names m's kind of image.
 func (m imageMode) kind() string {

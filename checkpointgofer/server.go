@@ -13,24 +13,12 @@ import (
 	"sync/atomic"
 	"unsafe"
 
-	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/profile"
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/sentry/memmap"
 	"gvisor.dev/gvisor/pkg/sentry/state/stateio"
-)
-
-// The files of gVisor's two kinds of image (its
-// pkg/sentry/state/checkpointfiles), the only ones the gofer serves: a
-// checkpoint's (runsc checkpoint and restore), and a filesystem
-// checkpoint's (runsc fscheckpoint, and runsc create
-// --fs-restore-image-path), whose pages files hold the sandbox's overlay
-// upper layers, not its memory.
-var (
-	checkpointFiles   = []string{format.CheckpointFile, format.PagesMetaFile, format.PagesFile}
-	fsCheckpointFiles = []string{format.FSManifestFile, format.FSMultiTarFile, format.PagesMetaFile, format.PagesFile}
 )
 
 // Read sizes and parallelism the gofer offers the sentry. The sentry

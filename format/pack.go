@@ -45,6 +45,19 @@ const (
 	FSMultiTarFile = "multitar.img"
 )
 
+// ImageFiles returns the files of one of gVisor's two kinds of image (its
+// pkg/sentry/state/checkpointfiles), in the order runsc opens them: a
+// checkpoint's (runsc checkpoint and restore), or with filesystem a
+// filesystem checkpoint's (runsc fscheckpoint, and runsc create
+// --fs-restore-image-path), whose pages files hold the sandbox's overlay
+// upper layers, not its memory.
+func ImageFiles(filesystem bool) []string {
+	if filesystem {
+		return []string{FSManifestFile, FSMultiTarFile, PagesMetaFile, PagesFile}
+	}
+	return []string{CheckpointFile, PagesMetaFile, PagesFile}
+}
+
 // DefaultAvgChunkSize is the default mean chunk size. SPEC.md explains the
 // choice with the dedup benchmark's figures.
 const DefaultAvgChunkSize = 1 << 20

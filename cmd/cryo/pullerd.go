@@ -12,12 +12,15 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/checkpoint"
 	"github.com/cryo-oci/cryo/puller/daemon"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/puller/peer"
 	"github.com/cryo-oci/cryo/transfer"
+	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
@@ -65,12 +68,28 @@ lazily from the node cache and the registry (mirrors first):
   POST   /v1/mounts/{id}/wait  returns once every chunk is local
   DELETE /v1/mounts/{id}       unmount
   GET    /v1/mounts/{id}/files/{path}  the gofer's reads (SPEC.md 14.2)
+  POST   /v1/checkpoints       {"ref": "host/repo:tag", "filesystem": true}
+                               -> {"id", "dir", "state", ...}: a checkpoint
+                               the sandbox's workload triggers through
+                               /proc/gvisor. Create the sandbox with the
+                               annotation dev.gvisor.internal.fscheckpoint.path
+                               (or, without "filesystem",
+                               dev.gvisor.internal.checkpoint.path, with
+                               .compression=none) set to "dir", and
+                               GVISOR_SIDECAR_BINARIES_DIR as for gofer
+                               mounts: the files stream to the registry and
+                               are tagged once all are in (SPEC.md 14.4)
+  GET    /v1/checkpoints[/{id}] state: waiting, writing, finishing, pushed
+                               or failed; POST .../wait returns once pushed
+                               or failed; DELETE ends one (no tag if not
+                               pushed yet)
   GET    /metrics              Prometheus metrics (also on --metrics-addr,
                                which serves only /metrics and /healthz)
 
 The socket is 0600 (root's): whoever can connect can mount and read any
 snapshot the puller's credentials reach. --socket-group opens it (0660) to
-one group. The node cache and --mounts are made 0700. Registry credentials
+one group; whoever can connect can also have the puller push a checkpoint
+with its credentials. The node cache and --mounts are made 0700. Registry credentials
 come from Docker's credential store only (DOCKER_CONFIG), never from flags:
 a reference posted to the API may name any registry. At most --max-mounts
 mounts are live at once; a mount request over it gets 503.
@@ -168,7 +187,19 @@ Logs are structured (JSON) on stderr.`,
 				}
 				return pf.sourceWith(ctx, ref, choice)
 			}
-			d, err := daemon.New(p, resolve, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg})
+			// Checkpoints the workload triggers go where their request says,
+			// with the node's credentials, in the default format.
+			prepare := func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
+				repo, tag, err := pf.client.Repository(ref)
+				if err != nil {
+					return nil, err
+				}
+				if _, err := digest.Parse(tag); tag == "" || err == nil {
+					return nil, fmt.Errorf("checkpoint to %q: a checkpoint needs a tag to push to", ref)
+				}
+				return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
+			}
+			d, err := daemon.New(p, resolve, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg, Checkpoint: prepare})
 			if err != nil {
 				return err
 			}

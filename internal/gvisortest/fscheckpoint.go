@@ -39,7 +39,7 @@ func (a *App) RunFromFS(t testing.TB, imageDir string, env []string, args ...str
 	a.runs++
 	id := fmt.Sprintf("fsrestore-%d", a.runs)
 	bundle := filepath.Join(a.dir, "bundle-"+id)
-	if err := writeBundle(bundle, args, true); err != nil {
+	if err := writeBundle(bundle, args, true, nil); err != nil {
 		t.Fatalf("gvisortest: %v", err)
 	}
 	outPath := filepath.Join(a.dir, id+".out")

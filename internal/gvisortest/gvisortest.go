@@ -229,6 +229,14 @@ type AppOptions struct {
 	// dir (--overlay2=root:dir=...), never on the host. runsc
 	// fscheckpoint saves that upper layer (see RunFromFS).
 	Overlay bool
+	// Annotations go into the app's OCI spec, e.g. gVisor's
+	// dev.gvisor.internal.fscheckpoint.* for checkpoints the workload
+	// triggers.
+	Annotations map[string]string
+	// Env is added to the environment of the runsc commands that start
+	// the app's sandbox (run and restore), e.g.
+	// GVISOR_SIDECAR_BINARIES_DIR for a checkpoint gofer it starts with.
+	Env []string
 }
 
 // HotSet is the part of its buffer an app reads on every request.
@@ -250,8 +258,9 @@ type App struct {
 	stateDir  string
 	bundleDir string
 	startHash string
-	python    string // "path version" from the ready line
-	writable  bool   // AppOptions.Overlay
+	python    string   // "path version" from the ready line
+	writable  bool     // AppOptions.Overlay
+	runEnv    []string // AppOptions.Env
 
 	running  bool // the container exists in runsc's state
 	runs     int  // run/restore count: names the output files
@@ -292,6 +301,7 @@ func StartApp(t testing.TB, runsc string, opts AppOptions) *App {
 		t.Fatalf("gvisortest: %v", err)
 	}
 	a := &App{
+		runEnv:    opts.Env,
 		runsc:     runsc,
 		dir:       dir,
 		stateDir:  filepath.Join(dir, "state"),
@@ -329,7 +339,7 @@ func StartApp(t testing.TB, runsc string, opts AppOptions) *App {
 		hot = "none"
 	}
 	args := []string{python, "-u", "-I", "-c", appScript, strconv.Itoa(opts.MemoryMiB), mode, strconv.FormatFloat(opts.Interval.Seconds(), 'f', 3, 64), hot}
-	if err := writeBundle(a.bundleDir, args, a.writable); err != nil {
+	if err := writeBundle(a.bundleDir, args, a.writable, opts.Annotations); err != nil {
 		t.Fatalf("gvisortest: %v", err)
 	}
 	if err := os.Mkdir(a.stateDir, 0o700); err != nil {
@@ -372,8 +382,8 @@ func findPython() (string, error) {
 }
 
 // writeBundle writes an OCI bundle running args with the host's "/" as
-// its root, read-only unless writable.
-func writeBundle(dir string, args []string, writable bool) error {
+// its root, read-only unless writable, with annotations (if any).
+func writeBundle(dir string, args []string, writable bool, annotations map[string]string) error {
 	caps := []string{"CAP_KILL"}
 	config := map[string]any{
 		"ociVersion": "1.0.0",
@@ -390,8 +400,9 @@ func writeBundle(dir string, args []string, writable bool) error {
 			},
 			"rlimits": []any{map[string]any{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}},
 		},
-		"root":     map[string]any{"path": "/", "readonly": !writable},
-		"hostname": "gvisortest",
+		"root":        map[string]any{"path": "/", "readonly": !writable},
+		"hostname":    "gvisortest",
+		"annotations": annotations,
 		"mounts": []any{
 			map[string]any{"destination": "/proc", "type": "proc", "source": "proc"},
 			map[string]any{"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
@@ -478,6 +489,9 @@ func (a *App) startRun(args ...string) error {
 
 	cmd := a.Command(args...)
 	cmd.Stdout, cmd.Stderr = stdout, stderr
+	if len(a.runEnv) > 0 {
+		cmd.Env = append(os.Environ(), a.runEnv...)
+	}
 	// The container may exist even if the command fails half-way: let
 	// cleanup try to delete it.
 	a.running = true

@@ -166,10 +166,24 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	}
 	// Without --leave-running the sandbox is gone by now: the snapshot is
 	// all that is left of it, so a registry hiccup here is retried.
-	var res *transfer.PushResult
+	res, err := finish(ctx, pusher, opts.Tag, sink)
+	if err != nil {
+		return nil, err
+	}
+	return &Result{PushResult: *res, Checkpointed: checkpointed, Pushed: time.Since(start), Files: files, Command: command}, nil
+}
+
+// finish pushes the snapshot index and its tag, trying a registry
+// hiccup finishTries times: by now the sandbox may be gone, and the
+// snapshot all that is left of it.
+func finish(ctx context.Context, pusher *transfer.Pusher, tag string, sink *countingSink) (*transfer.PushResult, error) {
+	var (
+		res *transfer.PushResult
+		err error
+	)
 	try := 1
 	for wait := time.Second; ; try, wait = try+1, 2*wait {
-		res, err = pusher.Finish(ctx, opts.Tag)
+		res, err = pusher.Finish(ctx, tag)
 		if err == nil || errors.Is(err, format.ErrInvalid) || try == finishTries || ctx.Err() != nil {
 			break
 		}
@@ -184,7 +198,7 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("every file is in the registry, but the snapshot index or its tag is not (%d tries): %w", try, err)
 	}
-	return &Result{PushResult: *res, Checkpointed: checkpointed, Pushed: time.Since(start), Files: files, Command: command}, nil
+	return res, nil
 }
 
 // countingSink records the files a sink took, and why others failed.

@@ -24,7 +24,7 @@
 //	                             (the gofer's file API, package gofer)
 //	GET    /metrics              Prometheus metrics
 //
-// A Mount's "dir" is an image dir for runsc restore --image-path.
+// and checkpoints the workload triggers (checkpoints.go). A Mount's "dir" is an image dir for runsc restore --image-path.
 //
 // Whoever can connect to the socket can mount any snapshot the puller's
 // credentials reach and read it: Listen makes the socket 0600 (root's), or
@@ -83,6 +83,9 @@ type Options struct {
 	// serves. Default: a registry of their own.
 	Registerer prometheus.Registerer
 	Gatherer   prometheus.Gatherer
+	// Checkpoint prepares the checkpoints the API takes (POST
+	// /v1/checkpoints); nil: none.
+	Checkpoint CheckpointFunc
 }
 
 // Daemon serves the API.
@@ -97,9 +100,15 @@ type Daemon struct {
 	readyHist prometheus.Histogram
 	loadHist  prometheus.Histogram
 
+	checkpoint CheckpointFunc
+
 	mu       sync.Mutex
 	mounts   map[string]*entry
 	creating int // mounts being made, counted against max
+	// checkpoints are those the workload triggers, counted against max
+	// apart from mounts.
+	checkpoints         map[string]*checkpointEntry
+	creatingCheckpoints int
 }
 
 type entry struct {
@@ -140,7 +149,7 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 			return nil, err
 		}
 	}
-	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, socket: opts.Socket, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{},
+	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, socket: opts.Socket, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{}, checkpoints: map[string]*checkpointEntry{}, checkpoint: opts.Checkpoint,
 		readyHist: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_ready_seconds", Help: "Time from a mount request until its image dir is ready.", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 		loadHist:  prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_loaded_seconds", Help: "Time from a mount request until every chunk is local.", Buckets: prometheus.ExponentialBuckets(0.05, 2, 14)}),
 	}
@@ -237,6 +246,12 @@ func (d *Daemon) Handler() http.Handler {
 	mux.HandleFunc("GET /v1/mounts/{id}/profile", d.profile)
 	mux.HandleFunc("DELETE /v1/mounts/{id}", d.delete)
 	gofer.RegisterFiles(mux, d.files)
+	mux.HandleFunc("POST /v1/checkpoints", d.createCheckpoint)
+	mux.HandleFunc("GET /v1/checkpoints", d.listCheckpoints)
+	mux.HandleFunc("GET /v1/checkpoints/{id}", d.getCheckpoint)
+	mux.HandleFunc("POST /v1/checkpoints/{id}/wait", d.waitCheckpoint)
+	mux.HandleFunc("DELETE /v1/checkpoints/{id}", d.deleteCheckpoint)
+	gofer.RegisterUploads(mux, d.sink)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(d.gatherer, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) })
 	return mux
@@ -251,10 +266,17 @@ func (d *Daemon) MetricsHandler() http.Handler {
 	return mux
 }
 
-// Close unmounts everything.
+// Close unmounts everything and ends the checkpoints not pushed yet
+// (they leave no tag).
 func (d *Daemon) Close() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	for id, e := range d.checkpoints {
+		if !e.deleting {
+			d.endCheckpoint(e)
+		}
+		delete(d.checkpoints, id)
+	}
 	for id, e := range d.mounts {
 		if e.deleting {
 			continue // its DELETE unmounts it

@@ -24,9 +24,11 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
 	"github.com/cryo-oci/cryo/internal/testenv"
 	"github.com/cryo-oci/cryo/puller"
+	"github.com/cryo-oci/cryo/puller/checkpoint"
 	"github.com/cryo-oci/cryo/puller/fetch"
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/cryo-oci/cryo/transfer"
@@ -42,6 +44,7 @@ type testDaemon struct {
 	p      *puller.Puller
 	img    string // the snapshot's image dir
 	ref    string
+	host   string // the registry's
 	sock   string
 	mounts string
 	client *http.Client
@@ -82,6 +85,15 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 	if opts.MountsDir == "" {
 		opts.MountsDir = filepath.Join(t.TempDir(), "mounts")
 	}
+	if opts.Checkpoint == nil {
+		opts.Checkpoint = func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
+			repo, tag, err := client.Repository(ref)
+			if err != nil {
+				return nil, err
+			}
+			return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
+		}
+	}
 	opts.Logger, opts.Registerer, opts.Gatherer = slog.Default(), reg, reg
 	sock := filepath.Join(t.TempDir(), "puller.sock")
 	opts.Socket = sock
@@ -97,7 +109,7 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 	hsrv := &http.Server{Handler: d.Handler()}
 	go hsrv.Serve(ln)
 	t.Cleanup(func() { hsrv.Close() })
-	return &testDaemon{d: d, p: p, img: img, ref: host + "/app:v1", sock: sock, mounts: opts.MountsDir,
+	return &testDaemon{d: d, p: p, img: img, ref: host + "/app:v1", host: host, sock: sock, mounts: opts.MountsDir,
 		client: &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
 		}}}}

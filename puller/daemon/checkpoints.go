@@ -1,0 +1,196 @@
+package daemon
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"github.com/cryo-oci/cryo/puller/checkpoint"
+	"github.com/cryo-oci/cryo/puller/gofer"
+)
+
+// Checkpoints the workload triggers (SPEC.md 14.4):
+//
+//	POST   /v1/checkpoints       {"ref": "host/repo:tag", "filesystem": true}
+//	                             -> 201 Checkpoint: "dir" holds only
+//	                             gcs_opts.json, for the sandbox's
+//	                             dev.gvisor.internal.fscheckpoint.path
+//	                             annotation (or, without "filesystem",
+//	                             dev.gvisor.internal.checkpoint.path)
+//	GET    /v1/checkpoints       -> [Checkpoint]
+//	GET    /v1/checkpoints/{id}  -> Checkpoint
+//	POST   /v1/checkpoints/{id}/wait -> Checkpoint, once pushed or failed
+//	DELETE /v1/checkpoints/{id}  -> 204; one not pushed yet leaves no tag
+//	PUT    /v1/checkpoints/{id}/files/{path}, .../refs/{path}
+//	                             the gofer's upload API (package gofer)
+
+// CheckpointFunc prepares a checkpoint to ref (tagged there once the
+// workload has written it), of a filesystem checkpoint's files if
+// filesystem is set.
+type CheckpointFunc func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error)
+
+// Checkpoint is the API's view of a checkpoint the workload triggers.
+type Checkpoint struct {
+	ID         string    `json:"id"`
+	Ref        string    `json:"ref"`
+	Dir        string    `json:"dir"`
+	Filesystem bool      `json:"filesystem"`
+	Created    time.Time `json:"created"`
+	checkpoint.TriggeredStatus
+}
+
+type checkpointEntry struct {
+	view Checkpoint
+	t    *checkpoint.Triggered
+	// deleting is set by the one DELETE that ends it.
+	deleting bool
+}
+
+func (c *checkpointEntry) status() Checkpoint {
+	v := c.view
+	v.TriggeredStatus = c.t.Status()
+	return v
+}
+
+func (d *Daemon) createCheckpoint(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Ref        string `json:"ref"`
+		Filesystem bool   `json:"filesystem"`
+	}
+	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<16)).Decode(&req); err != nil || req.Ref == "" {
+		httpError(w, http.StatusBadRequest, "want a JSON body {\"ref\": \"host/repo:tag\", \"filesystem\": true|false}")
+		return
+	}
+	if d.checkpoint == nil || d.socket == "" {
+		httpError(w, http.StatusNotImplemented, "this puller takes no checkpoints (started without its socket path, or with checkpoints off)")
+		return
+	}
+	d.mu.Lock()
+	if n := len(d.checkpoints) + d.creatingCheckpoints; n >= d.max {
+		d.mu.Unlock()
+		w.Header().Set("Retry-After", "10")
+		httpError(w, http.StatusServiceUnavailable, fmt.Sprintf("the puller holds %d checkpoints, its limit (--max-mounts %d): delete one first", n, d.max))
+		return
+	}
+	d.creatingCheckpoints++
+	d.mu.Unlock()
+	var e *checkpointEntry
+	defer func() {
+		d.mu.Lock()
+		d.creatingCheckpoints--
+		if e != nil {
+			d.checkpoints[e.view.ID] = e
+		}
+		d.mu.Unlock()
+	}()
+	t, err := d.checkpoint(r.Context(), req.Ref, req.Filesystem)
+	if err != nil {
+		httpError(w, http.StatusBadGateway, err.Error())
+		return
+	}
+	var b [6]byte
+	rand.Read(b[:])
+	id := hex.EncodeToString(b[:])
+	dir := filepath.Join(d.mountsDir, id)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Close()
+		httpError(w, http.StatusInternalServerError, fmt.Sprintf("image dir: %v", err))
+		return
+	}
+	if err := gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Checkpoint: true, Socket: d.socket, Mount: id}); err != nil {
+		t.Close()
+		os.Remove(dir)
+		httpError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	e = &checkpointEntry{view: Checkpoint{ID: id, Ref: req.Ref, Dir: dir, Filesystem: req.Filesystem, Created: time.Now()}, t: t}
+	go func() {
+		<-t.Done()
+		st := t.Status()
+		d.log.Info("checkpoint ended", "id", id, "ref", req.Ref, "state", st.State, "index", st.Index, "err", st.Error)
+	}()
+	d.log.Info("checkpoint prepared", "id", id, "ref", req.Ref, "filesystem", req.Filesystem, "dir", dir)
+	writeJSON(w, http.StatusCreated, e.status())
+}
+
+func (d *Daemon) lookupCheckpoint(w http.ResponseWriter, r *http.Request) *checkpointEntry {
+	d.mu.Lock()
+	e := d.checkpoints[r.PathValue("id")]
+	d.mu.Unlock()
+	if e == nil {
+		httpError(w, http.StatusNotFound, "no checkpoint "+r.PathValue("id"))
+	}
+	return e
+}
+
+func (d *Daemon) listCheckpoints(w http.ResponseWriter, r *http.Request) {
+	d.mu.Lock()
+	out := []Checkpoint{}
+	for _, e := range d.checkpoints {
+		out = append(out, e.status())
+	}
+	d.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].Created.Before(out[j].Created) })
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (d *Daemon) getCheckpoint(w http.ResponseWriter, r *http.Request) {
+	if e := d.lookupCheckpoint(w, r); e != nil {
+		writeJSON(w, http.StatusOK, e.status())
+	}
+}
+
+func (d *Daemon) waitCheckpoint(w http.ResponseWriter, r *http.Request) {
+	e := d.lookupCheckpoint(w, r)
+	if e == nil {
+		return
+	}
+	select {
+	case <-e.t.Done():
+		writeJSON(w, http.StatusOK, e.status())
+	case <-r.Context().Done():
+	}
+}
+
+// deleteCheckpoint ends a checkpoint (one not pushed yet leaves no tag)
+// and removes its image dir.
+func (d *Daemon) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	d.mu.Lock()
+	e := d.checkpoints[id]
+	if e == nil || e.deleting {
+		d.mu.Unlock()
+		httpError(w, http.StatusNotFound, "no checkpoint "+id)
+		return
+	}
+	e.deleting = true
+	delete(d.checkpoints, id)
+	d.mu.Unlock()
+	d.endCheckpoint(e)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (d *Daemon) endCheckpoint(e *checkpointEntry) {
+	e.t.Close()
+	os.Remove(filepath.Join(e.view.Dir, gofer.ConfigFile))
+	os.Remove(e.view.Dir)
+	d.log.Info("checkpoint deleted", "id", e.view.ID, "ref", e.view.Ref, "state", e.t.Status().State)
+}
+
+// sink finds a checkpoint's sink for the upload API.
+func (d *Daemon) sink(id string) (gofer.Sink, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	e := d.checkpoints[id]
+	if e == nil {
+		return nil, false
+	}
+	return e.t, true
+}
