@@ -194,7 +194,7 @@ Logs are structured (JSON) on stderr.`,
 				if err != nil {
 					return nil, err
 				}
-				if _, err := digest.Parse(tag); tag == "" || err == nil {
+				if _, err := digest.Parse(tag); err == nil { // a tag-less ref names "latest"
 					return nil, fmt.Errorf("checkpoint to %q: a checkpoint needs a tag to push to", ref)
 				}
 				return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})

@@ -49,8 +49,6 @@ type Checkpoint struct {
 type checkpointEntry struct {
 	view Checkpoint
 	t    *checkpoint.Triggered
-	// deleting is set by the one DELETE that ends it.
-	deleting bool
 }
 
 func (c *checkpointEntry) status() Checkpoint {
@@ -165,12 +163,12 @@ func (d *Daemon) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	d.mu.Lock()
 	e := d.checkpoints[id]
-	if e == nil || e.deleting {
+	if e == nil {
 		d.mu.Unlock()
 		httpError(w, http.StatusNotFound, "no checkpoint "+id)
 		return
 	}
-	e.deleting = true
+	// Removed under the lock: of concurrent DELETEs, one ends it.
 	delete(d.checkpoints, id)
 	d.mu.Unlock()
 	d.endCheckpoint(e)

@@ -272,9 +272,7 @@ func (d *Daemon) Close() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for id, e := range d.checkpoints {
-		if !e.deleting {
-			d.endCheckpoint(e)
-		}
+		d.endCheckpoint(e)
 		delete(d.checkpoints, id)
 	}
 	for id, e := range d.mounts {
