@@ -82,7 +82,7 @@ lazily from the node cache and the registry (mirrors first):
   GET    /v1/checkpoints[/{id}] state: waiting, writing, finishing, pushed
                                or failed; POST .../wait returns once pushed
                                or failed; DELETE ends one (no tag if not
-                               pushed yet)
+                               pushed yet; 409 while its tag is pushed)
   GET    /metrics              Prometheus metrics (also on --metrics-addr,
                                which serves only /metrics and /healthz)
 
@@ -92,7 +92,8 @@ one group; whoever can connect can also have the puller push a checkpoint
 with its credentials. The node cache and --mounts are made 0700. Registry credentials
 come from Docker's credential store only (DOCKER_CONFIG), never from flags:
 a reference posted to the API may name any registry. At most --max-mounts
-mounts are live at once; a mount request over it gets 503.
+mounts are live at once, and as many checkpoints not yet ended; a request
+over it gets 503.
 
 Peers: the pullers of a pool (the nodes of a DaemonSet) share chunks, so
 that a chunk leaves the registry about once per pool. --peers lists them
@@ -192,10 +193,10 @@ Logs are structured (JSON) on stderr.`,
 			prepare := func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
 				repo, tag, err := pf.client.Repository(ref)
 				if err != nil {
-					return nil, err
+					return nil, fmt.Errorf("%w: %w", daemon.ErrInvalidRequest, err)
 				}
 				if _, err := digest.Parse(tag); err == nil { // a tag-less ref names "latest"
-					return nil, fmt.Errorf("checkpoint to %q: a checkpoint needs a tag to push to", ref)
+					return nil, fmt.Errorf("%w: checkpoint to %q: a checkpoint needs a tag to push to", daemon.ErrInvalidRequest, ref)
 				}
 				return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
 			}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/format"
+	"github.com/cryo-oci/cryo/puller/gofer"
 	"github.com/cryo-oci/cryo/transfer"
 	"oras.land/oras-go/v2/registry/remote"
 )
@@ -35,7 +36,8 @@ type TriggeredOptions struct {
 // is finished, the snapshot index pushed and tagged, once every file of
 // its kind (format.ImageFiles) is packed; not before, so that one cut
 // short leaves no tag. It takes one checkpoint: a file that comes twice,
-// or after the snapshot is finished or failed, is refused.
+// or after the snapshot is finished or failed, is refused (an error that
+// wraps gofer.ErrRefused).
 type Triggered struct {
 	pusher *transfer.Pusher
 	tag    string
@@ -45,8 +47,8 @@ type Triggered struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	done   chan struct{}
-	// busy counts the AddFiles and the finish using the pusher, which
-	// Close releases only after them.
+	// busy counts the AddFiles and the finish using the pusher, which is
+	// released once the checkpoint ended and they returned.
 	busy sync.WaitGroup
 
 	mu      sync.Mutex
@@ -95,13 +97,13 @@ func (t *Triggered) AddFile(ctx context.Context, path string, mode fs.FileMode, 
 	switch {
 	case t.isOver():
 		t.mu.Unlock()
-		return 0, fmt.Errorf("checkpoint to %s: %s came after the checkpoint ended (%s)", t.tag, path, t.stateLocked())
+		return 0, fmt.Errorf("checkpoint to %s: %s came after the checkpoint ended (%s): %w", t.tag, path, t.stateLocked(), gofer.ErrRefused)
 	case !slices.Contains(t.want, path):
 		t.mu.Unlock()
-		return 0, fmt.Errorf("checkpoint to %s: %s is not a file of this kind of image (%v)", t.tag, path, t.want)
+		return 0, fmt.Errorf("checkpoint to %s: %s is not a file of this kind of image (%v): %w", t.tag, path, t.want, gofer.ErrRefused)
 	case t.started[path]:
 		t.mu.Unlock()
-		return 0, fmt.Errorf("checkpoint to %s: %s came twice", t.tag, path)
+		return 0, fmt.Errorf("checkpoint to %s: %s came twice: %w", t.tag, path, gofer.ErrRefused)
 	}
 	if len(t.started) == 0 {
 		t.at = time.Now()
@@ -140,6 +142,13 @@ func (t *Triggered) AddFile(ctx context.Context, path string, mode fs.FileMode, 
 func (t *Triggered) end(res *transfer.PushResult, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.endLocked(res, err)
+}
+
+// endLocked is end with t.mu held. The pusher (its open packs and
+// encoders) is released once the AddFiles and the finish still using it
+// returned.
+func (t *Triggered) endLocked(res *transfer.PushResult, err error) {
 	if t.isOver() {
 		return
 	}
@@ -148,6 +157,10 @@ func (t *Triggered) end(res *transfer.PushResult, err error) {
 		t.took = time.Since(t.at)
 	}
 	close(t.done)
+	go func() {
+		t.busy.Wait()
+		t.pusher.Close()
+	}()
 }
 
 // isOver reports whether the checkpoint ended. t.mu is held.
@@ -229,14 +242,27 @@ func (t *Triggered) stateLocked() string {
 	}
 }
 
-// Close ends a checkpoint not yet finished: it fails with ErrClosed and
-// leaves no tag (unless its finish had tagged it already). Its pusher is
-// released once the files being packed stop.
-func (t *Triggered) Close() {
+// Close ends the checkpoint and returns once it ended. One still being
+// written fails with ErrClosed and leaves no tag: the files being packed
+// are stopped. One being finished (every file in, its index and tag being
+// pushed) is let finish until ctx is done, and only then cancelled, so
+// that its state says what it did: a snapshot tagged is reported pushed.
+// (Cancelled while its tag is being pushed, it may be tagged and yet
+// reported failed: the registry took the tag but its answer was not
+// waited for.)
+func (t *Triggered) Close(ctx context.Context) {
+	t.mu.Lock()
+	finishing := t.finishing && !t.isOver()
+	if !finishing {
+		t.endLocked(nil, ErrClosed)
+	}
+	t.mu.Unlock()
+	if finishing {
+		select {
+		case <-t.done:
+		case <-ctx.Done():
+		}
+	}
 	t.cancel()
-	t.end(nil, ErrClosed)
-	go func() {
-		t.busy.Wait()
-		t.pusher.Close()
-	}()
+	<-t.done
 }

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -110,11 +111,11 @@ func TestTriggeredCheckpoint(t *testing.T) {
 	if tagged(t, ref) {
 		t.Fatal("tagged before the last file came")
 	}
-	if err := td.upload(cp.ID, "checkpoint.img", []byte("state")); err == nil || !strings.Contains(err.Error(), "not a file of this kind") {
-		t.Errorf("checkpoint.img into a filesystem checkpoint: %v", err)
+	if err := td.upload(cp.ID, "checkpoint.img", []byte("state")); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "not a file of this kind") {
+		t.Errorf("checkpoint.img into a filesystem checkpoint: %v, want 409", err)
 	}
-	if err := td.upload(cp.ID, "multitar.img", files["multitar.img"]); err == nil || !strings.Contains(err.Error(), "came twice") {
-		t.Errorf("multitar.img again: %v", err)
+	if err := td.upload(cp.ID, "multitar.img", files["multitar.img"]); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "came twice") {
+		t.Errorf("multitar.img again: %v, want 409", err)
 	}
 	if err := td.upload(cp.ID, "pages.img", files["pages.img"]); err != nil {
 		t.Fatalf("upload pages.img: %v", err)
@@ -168,7 +169,17 @@ func TestTriggeredCheckpoint(t *testing.T) {
 	t.Run("deleted", func(t *testing.T) {
 		ref := td.host + "/app-fs:deleted"
 		cp := td.prepareCheckpoint(t, ref)
-		if err := td.upload(cp.ID, "fscheckpoint.pb", files["fscheckpoint.pb"]); err != nil {
+		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
+			if err := td.upload(cp.ID, name, files[name]); err != nil {
+				t.Fatalf("upload %s: %v", name, err)
+			}
+		}
+		// DELETE while the last file is being written: the rest of it
+		// is refused and nothing is tagged.
+		c := gofer.NewClient(td.sock, cp.ID, "", 0)
+		defer c.Close()
+		u := c.Upload(context.Background(), "pages.img")
+		if _, err := u.Write(files["pages.img"][:1<<20]); err != nil {
 			t.Fatal(err)
 		}
 		td.call(t, "DELETE", "/v1/checkpoints/"+cp.ID, "", http.StatusNoContent)
@@ -176,13 +187,43 @@ func TestTriggeredCheckpoint(t *testing.T) {
 			t.Errorf("the checkpoint's dir after DELETE: %v", err)
 		}
 		td.call(t, "GET", "/v1/checkpoints/"+cp.ID, "", http.StatusNotFound)
-		for _, name := range []string{"multitar.img", "pages_meta.img", "pages.img"} {
-			if err := td.upload(cp.ID, name, files[name]); err == nil {
-				t.Errorf("upload %s after DELETE: accepted", name)
-			}
+		var werr error
+		for off := 1 << 20; off < len(files["pages.img"]) && werr == nil; off += 1 << 20 {
+			_, werr = u.Write(files["pages.img"][off : off+1<<20])
+		}
+		if _, err := u.Finish(); err == nil && werr == nil {
+			t.Error("pages.img was taken to its end after DELETE")
 		}
 		if tagged(t, ref) {
-			t.Error("a deleted checkpoint was tagged")
+			t.Error("a checkpoint deleted while its pages.img was written was tagged")
+		}
+	})
+
+	t.Run("tagging", func(t *testing.T) {
+		// A DELETE while the tag is being pushed does not end the
+		// checkpoint halfway: 409, and it is reported as it ends.
+		ref := td.host + "/app-fs:tagging"
+		cp := td.prepareCheckpoint(t, ref)
+		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
+			if err := td.upload(cp.ID, name, files[name]); err != nil {
+				t.Fatalf("upload %s: %v", name, err)
+			}
+		}
+		seen := td.gate.Hold()
+		if err := td.upload(cp.ID, "pages.img", files["pages.img"]); err != nil {
+			t.Fatal(err)
+		}
+		<-seen
+		td.call(t, "DELETE", "/v1/checkpoints/"+cp.ID, "", http.StatusConflict)
+		td.gate.Release()
+		var st Checkpoint
+		json.Unmarshal(td.call(t, "POST", "/v1/checkpoints/"+cp.ID+"/wait", "", http.StatusOK), &st)
+		if st.State != checkpoint.StatePushed || !tagged(t, ref) {
+			t.Errorf("after the tag's answer came: %+v, tagged %v", st, tagged(t, ref))
+		}
+		td.call(t, "DELETE", "/v1/checkpoints/"+cp.ID, "", http.StatusNoContent)
+		if !tagged(t, ref) {
+			t.Error("deleting a pushed checkpoint removed its tag")
 		}
 	})
 
@@ -192,4 +233,89 @@ func TestTriggeredCheckpoint(t *testing.T) {
 		t.Errorf("listed %+v, want the pushed and the failed checkpoint", list)
 	}
 	td.call(t, "POST", "/v1/checkpoints", `{"ref": ""}`, http.StatusBadRequest)
+	td.call(t, "POST", "/v1/checkpoints", `{"ref": "`+td.host+`/UPPER case"}`, http.StatusBadRequest)
+}
+
+// cut starts a file of checkpoint id and aborts it, as a sentry that went
+// away does, and waits for the checkpoint to fail.
+func (td *testDaemon) cut(t *testing.T, id string) {
+	t.Helper()
+	c := gofer.NewClient(td.sock, id, "", 0)
+	defer c.Close()
+	u := c.Upload(context.Background(), "multitar.img")
+	u.Write(make([]byte, 1<<20))
+	u.Abort(errors.New("the sentry went away"))
+	var st Checkpoint
+	json.Unmarshal(td.call(t, "POST", "/v1/checkpoints/"+id+"/wait", "", http.StatusOK), &st)
+	if st.State != checkpoint.StateFailed {
+		t.Fatalf("after a cut file: %+v", st)
+	}
+}
+
+// TestCheckpointLimit checks --max-mounts for checkpoints: it bounds those
+// not yet ended; ended ones stay listed until more than the limit of them
+// have ended, then the oldest goes, with its dir.
+func TestCheckpointLimit(t *testing.T) {
+	td := newTestDaemon(t, Options{MaxMounts: 1})
+	a := td.prepareCheckpoint(t, td.host+"/app-fs:a")
+	td.call(t, "POST", "/v1/checkpoints", `{"ref": "`+td.host+`/app-fs:b", "filesystem": true}`, http.StatusServiceUnavailable)
+	td.cut(t, a.ID)
+	b := td.prepareCheckpoint(t, td.host+"/app-fs:b")
+	td.checkpointState(t, a.ID) // still listed
+	td.cut(t, b.ID)
+	c := td.prepareCheckpoint(t, td.host+"/app-fs:c")
+	var list []Checkpoint
+	json.Unmarshal(td.call(t, "GET", "/v1/checkpoints", "", http.StatusOK), &list)
+	if len(list) != 2 || list[0].ID != b.ID || list[1].ID != c.ID {
+		t.Errorf("listed %+v, want b (ended) and c", list)
+	}
+	if _, err := os.Stat(a.Dir); !os.IsNotExist(err) {
+		t.Errorf("the dir of a checkpoint no longer listed: %v", err)
+	}
+}
+
+// TestCheckpointDuringClose closes the daemon while a checkpoint is being
+// prepared: the request is refused (503) and leaves neither a session nor
+// a dir behind.
+func TestCheckpointDuringClose(t *testing.T) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	td := newTestDaemon(t, Options{Checkpoint: func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
+		close(entered)
+		<-release
+		repo, tag, err := transfer.Repository(ref, transfer.ClientOptions{})
+		if err != nil {
+			return nil, err
+		}
+		return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem})
+	}})
+	type answer struct {
+		code int
+		body []byte
+	}
+	answered := make(chan answer, 1)
+	go func() {
+		resp, err := td.client.Post("http://puller/v1/checkpoints", "application/json", strings.NewReader(`{"ref": "`+td.host+`/app-fs:closing", "filesystem": true}`))
+		if err != nil {
+			answered <- answer{0, []byte(err.Error())}
+			return
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		answered <- answer{resp.StatusCode, body}
+	}()
+	<-entered
+	td.d.Close()
+	close(release)
+	if a := <-answered; a.code != http.StatusServiceUnavailable {
+		t.Errorf("a checkpoint prepared while the daemon closed: %d %s, want 503", a.code, a.body)
+	}
+	if ents, _ := os.ReadDir(td.mounts); len(ents) != 0 {
+		t.Errorf("the mounts dir holds %v after the daemon closed", ents)
+	}
+	td.d.mu.Lock()
+	n := len(td.d.checkpoints)
+	td.d.mu.Unlock()
+	if n != 0 {
+		t.Errorf("the closed daemon holds %d checkpoints", n)
+	}
 }

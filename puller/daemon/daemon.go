@@ -109,6 +109,8 @@ type Daemon struct {
 	// apart from mounts.
 	checkpoints         map[string]*checkpointEntry
 	creatingCheckpoints int
+	// closed is set by Close: nothing is added after it.
+	closed bool
 }
 
 type entry struct {
@@ -270,20 +272,31 @@ func (d *Daemon) MetricsHandler() http.Handler {
 // (they leave no tag).
 func (d *Daemon) Close() {
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	for id, e := range d.checkpoints {
-		d.endCheckpoint(e)
-		delete(d.checkpoints, id)
-	}
+	d.closed = true
+	checkpoints := d.checkpoints
+	d.checkpoints = map[string]*checkpointEntry{}
+	var mounts []*entry
 	for id, e := range d.mounts {
-		if e.deleting {
-			continue // its DELETE unmounts it
-		}
-		if err := e.m.Unmount(); err != nil {
-			d.log.Error("unmount", "id", id, "err", err)
+		if !e.deleting { // else its DELETE unmounts it
+			mounts = append(mounts, e)
 		}
 		delete(d.mounts, id)
 	}
+	d.mu.Unlock()
+	// Outside the lock: a checkpoint being tagged is let finish for a
+	// while, and uploads still look theirs up.
+	ctx, cancel := context.WithTimeout(context.Background(), closeGrace)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, e := range checkpoints {
+		wg.Go(func() { d.endCheckpoint(ctx, e) })
+	}
+	for _, e := range mounts {
+		if err := e.m.Unmount(); err != nil {
+			d.log.Error("unmount", "id", e.id, "err", err)
+		}
+	}
+	wg.Wait()
 }
 
 func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
@@ -317,6 +330,11 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		httpError(w, http.StatusServiceUnavailable, "the puller is shutting down")
+		return
+	}
 	if n := len(d.mounts) + d.creating; n >= d.max {
 		d.mu.Unlock()
 		w.Header().Set("Retry-After", "10")
@@ -325,17 +343,20 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	}
 	d.creating++
 	d.mu.Unlock()
-	// done ends the reservation, adding e (if any) to the live mounts.
+	// done ends the reservation, adding e (if any) to the live mounts
+	// unless the daemon closed meanwhile; it reports whether e was added.
 	var once sync.Once
-	done := func(e *entry) {
+	done := func(e *entry) (added bool) {
 		once.Do(func() {
 			d.mu.Lock()
 			d.creating--
-			if e != nil {
+			added = e != nil && !d.closed
+			if added {
 				d.mounts[e.id] = e
 			}
 			d.mu.Unlock()
 		})
+		return added
 	}
 	defer done(nil)
 	src, err := d.resolve(r.Context(), req.Ref, req.Profile)
@@ -381,7 +402,13 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	e := &entry{id: id, ref: req.Ref, m: m, created: time.Now()}
-	done(e)
+	if !done(e) {
+		m.Unmount()
+		os.Remove(filepath.Join(dir, gofer.ConfigFile))
+		os.Remove(dir)
+		httpError(w, http.StatusServiceUnavailable, "the puller is shutting down")
+		return
+	}
 	d.readyHist.Observe(m.Progress().ReadySeconds)
 	go func() {
 		<-m.Loaded()

@@ -45,6 +45,7 @@ type testDaemon struct {
 	img    string // the snapshot's image dir
 	ref    string
 	host   string // the registry's
+	gate   *testenv.TagGate
 	sock   string
 	mounts string
 	client *http.Client
@@ -60,8 +61,10 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := httptest.NewServer(srv.Handler())
+	gate := testenv.NewTagGate(srv.Handler())
+	hs := httptest.NewServer(gate)
 	t.Cleanup(hs.Close)
+	t.Cleanup(gate.Release)
 	host := strings.TrimPrefix(hs.URL, "http://")
 	img := filepath.Join(t.TempDir(), "img")
 	synth.ImageDir(img, synth.HalfZero, 8<<20, 1)
@@ -89,7 +92,7 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 		opts.Checkpoint = func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
 			repo, tag, err := client.Repository(ref)
 			if err != nil {
-				return nil, err
+				return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 			}
 			return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
 		}
@@ -109,7 +112,7 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 	hsrv := &http.Server{Handler: d.Handler()}
 	go hsrv.Serve(ln)
 	t.Cleanup(func() { hsrv.Close() })
-	return &testDaemon{d: d, p: p, img: img, ref: host + "/app:v1", host: host, sock: sock, mounts: opts.MountsDir,
+	return &testDaemon{d: d, p: p, img: img, ref: host + "/app:v1", host: host, gate: gate, sock: sock, mounts: opts.MountsDir,
 		client: &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
 		}}}}

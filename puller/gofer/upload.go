@@ -3,6 +3,7 @@ package gofer
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -20,12 +21,19 @@ import (
 //
 // The 201 comes once the file is read to its end and packed (every chunk
 // hashed and stored); an error status, or a connection cut, means the
-// file is not in the snapshot, and the checkpoint fails.
+// file is not in the snapshot, and the checkpoint fails. A file the
+// session will not take at all (ErrRefused) is answered 409 before its
+// body is read; other failures 502.
 
 // Sink is where a checkpoint's files go (transfer.Pusher implements it).
 type Sink interface {
 	AddFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error)
 }
+
+// ErrRefused is wrapped by a Sink's error for a file it does not take (one
+// that is not of its checkpoint, or came twice, or too late), as opposed
+// to one that failed while it was packed.
+var ErrRefused = errors.New("file refused")
 
 // SinkLookup finds a checkpoint session's sink by id.
 type SinkLookup func(id string) (Sink, bool)
@@ -71,6 +79,10 @@ func RegisterUploads(mux *http.ServeMux, lookup SinkLookup) {
 			return
 		}
 		n, err := sink.AddFile(r.Context(), r.PathValue("path"), FileMode, r.Body)
+		if errors.Is(err, ErrRefused) {
+			http.Error(w, err.Error(), http.StatusConflict)
+			return
+		}
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusBadGateway)
 			return
