@@ -280,12 +280,13 @@ func TestWorkloadTriggeredFilesystemCheckpoint(t *testing.T) {
 		"dev.gvisor.internal.fscheckpoint.path":   cp.Dir,
 		"dev.gvisor.internal.fscheckpoint.resume": "true",
 	}})
-	// The trigger returns at once; the daemon says when the snapshot is
-	// in. (A read of /proc/gvisor/fscheckpoint, which should give the
-	// result, did not return here.)
-	want := strings.TrimSpace(app.Exec(t, "/bin/sh", "-c", "head -c 16777216 /dev/urandom > /cryo-data && sha256sum /cryo-data && echo 1 > /proc/gvisor/fscheckpoint"))
-	if !regexp.MustCompile(`^[0-9a-f]{64}  /cryo-data$`).MatchString(want) {
-		t.Fatalf("the workload printed %q, want its file's hash\n%s", want, d.logged())
+	// The trigger's result is read on the fd it was written to: a read
+	// waits for the end of the checkpoint after the fd's open (an fd
+	// opened after the trigger waits for the next one).
+	out := app.Exec(t, "/bin/sh", "-c", "head -c 16777216 /dev/urandom > /cryo-data && sha256sum /cryo-data && exec 3<>/proc/gvisor/fscheckpoint && echo 1 >&3 && cat <&3")
+	want, result, _ := strings.Cut(strings.TrimSpace(out), "\n")
+	if !regexp.MustCompile(`^[0-9a-f]{64}  /cryo-data$`).MatchString(want) || result != "resume" {
+		t.Fatalf("the workload printed %q, want its file's hash, then resume\n%s", out, d.logged())
 	}
 	d.call(t, "POST", "/v1/checkpoints/"+cp.ID+"/wait", "", http.StatusOK, &cp)
 	if cp.State != "pushed" || cp.Index == "" {
@@ -303,5 +304,63 @@ func TestWorkloadTriggeredFilesystemCheckpoint(t *testing.T) {
 	got := app.RunFromFS(t, m.Dir, []string{sidecars}, "/bin/sh", "-c", "sha256sum /cryo-data")
 	if got != want+"\n" {
 		t.Errorf("the new sandbox reads %q, the workload wrote %q\n%s", got, want, d.logged())
+	}
+}
+
+// TestWorkloadTriggeredCheckpoint: a sandbox created with gVisor's
+// dev.gvisor.internal.checkpoint.path annotation naming a checkpoint dir
+// the puller daemon handed out checkpoints itself when its workload writes
+// 1 to /proc/gvisor/checkpoint, and goes on (resume); the daemon pushes
+// and tags the snapshot; a restore from a gofer mount of that tag, on the
+// daemon's empty node cache, goes on from the checkpoint with the app's
+// memory unchanged.
+func TestWorkloadTriggeredCheckpoint(t *testing.T) {
+	e := newRestoreEnv(t)
+	goferDir := gvisortest.GoferDir(t)
+	d := e.startDaemon(t)
+	ref := e.reg.Addr + "/app:triggered-sandbox"
+	var cp struct {
+		ID, Dir, State, Index, Error string
+		Files                        map[string]int64
+	}
+	d.call(t, "POST", "/v1/checkpoints", `{"ref": "`+ref+`"}`, http.StatusCreated, &cp)
+	sidecars := "GVISOR_SIDECAR_BINARIES_DIR=" + goferDir
+	app := gvisortest.StartApp(t, e.runsc, gvisortest.AppOptions{MemoryMiB: 32, Env: []string{sidecars}, Annotations: map[string]string{
+		"dev.gvisor.internal.checkpoint.enable":      "true",
+		"dev.gvisor.internal.checkpoint.path":        cp.Dir,
+		"dev.gvisor.internal.checkpoint.compression": "none",
+		"dev.gvisor.internal.checkpoint.resume":      "true",
+	}})
+	before := app.NextCount(t)
+	if out := app.Exec(t, "/bin/sh", "-c", "exec 3<>/proc/gvisor/checkpoint && echo 1 >&3 && cat <&3"); out != "resume\n" {
+		t.Fatalf("the workload's checkpoint read %q, want resume\n%s", out, d.logged())
+	}
+	d.call(t, "POST", "/v1/checkpoints/"+cp.ID+"/wait", "", http.StatusOK, &cp)
+	if cp.State != "pushed" || cp.Index == "" || cp.Files["pages.img"] < 32<<20 {
+		t.Fatalf("after the workload's checkpoint: %+v\n%s", cp, d.logged())
+	}
+	if n := app.NextCount(t); n <= before {
+		t.Errorf("the app counts %d after its checkpoint, %d before: it did not go on", n, before)
+	}
+	d.call(t, "DELETE", "/v1/checkpoints/"+cp.ID, "", http.StatusNoContent, nil)
+
+	// The restored sandbox comes from the same bundle, without the
+	// annotations of the session just deleted.
+	app.SetAnnotations(t, nil)
+	app.AfterCheckpoint(t)
+	last := app.LastCount()
+	var m struct{ Dir string }
+	d.call(t, "POST", "/v1/mounts", `{"ref": "`+ref+`", "backend": "gofer"}`, http.StatusCreated, &m)
+	restore := app.Command("restore", "--detach", "--background", "--bundle="+app.BundleDir(), "--image-path="+m.Dir, app.ID())
+	restore.Env = append(os.Environ(), sidecars)
+	rc := app.StartRestoreWith(t, restore)
+	if n := app.NextCount(t); n <= before || n > last+1 {
+		t.Errorf("restored app counts %d, want one after the checkpoint (%d before it, %d at the end)", n, before, last)
+	}
+	if h := app.Hash(t); h != app.StartHash() {
+		t.Errorf("memory hash after restore %s, at start %s", h, app.StartHash())
+	}
+	if err := rc.Wait(time.Minute); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -2,6 +2,7 @@ package gvisortest
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -260,4 +261,27 @@ func copyFile(src, dst string) error {
 		return err
 	}
 	return out.Close()
+}
+
+// SetAnnotations replaces the annotations of the app's bundle, for the
+// sandboxes started from it next (a restore): e.g. to drop the
+// dev.gvisor.internal.checkpoint.path of a checkpoint session that ended.
+func (a *App) SetAnnotations(t testing.TB, annotations map[string]string) {
+	t.Helper()
+	path := filepath.Join(a.bundleDir, "config.json")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("gvisortest: %v", err)
+	}
+	var config map[string]any
+	if err := json.Unmarshal(data, &config); err != nil {
+		t.Fatalf("gvisortest: %s: %v", path, err)
+	}
+	config["annotations"] = annotations
+	if data, err = json.MarshalIndent(config, "", "  "); err != nil {
+		t.Fatalf("gvisortest: %v", err)
+	}
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatalf("gvisortest: %v", err)
+	}
 }
