@@ -167,14 +167,14 @@ func run(ctx context.Context, args []string) error {
 	}
 	impl := &server{ctx: ctx, log: log, bufs: newBufPool(), image: image}
 	switch {
-	case cfg.Checkpoint && image.writes():
+	case checkMode(cfg, image) != nil:
+		err := checkMode(cfg, image)
+		log.Error("mode", "err", err)
+		return err
+	case image.writes():
 		c := gofer.NewClient(cfg.Socket, cfg.Mount, "", 0)
 		defer c.Close()
 		impl.uploads = c
-	case cfg.Checkpoint || image.writes():
-		err := fmt.Errorf("runsc asks for a %s, the image dir's %s is for a %s", image, gofer.ConfigFile, configMode(cfg.Checkpoint))
-		log.Error("mode", "err", err)
-		return err
 	default:
 		src, closeSrc, err := openSource(ctx, cfg, log)
 		if err != nil {
@@ -260,12 +260,21 @@ func (m imageMode) String() string {
 	return [...]string{"restore", "checkpoint", "filesystem restore", "filesystem checkpoint"}[m]
 }
 
-// configMode names what a gofer config is for.
-func configMode(checkpoint bool) string {
-	if checkpoint {
-		return "checkpoint"
+// checkMode checks that the image dir's config is for what runsc asks:
+// a checkpoint's config for writes (of the kind it names), a snapshot's
+// for reads.
+func checkMode(cfg gofer.Config, image imageMode) error {
+	want := "restore"
+	switch {
+	case cfg.Checkpoint && cfg.Filesystem:
+		want = "filesystem checkpoint"
+	case cfg.Checkpoint:
+		want = "checkpoint"
 	}
-	return "restore"
+	if cfg.Checkpoint != image.writes() || (image.writes() && cfg.Filesystem != image.filesystem()) {
+		return fmt.Errorf("runsc asks for a %s, the image dir's %s is for a %s", image, gofer.ConfigFile, want)
+	}
+	return nil
 }
 
 // openSource returns where the snapshot's bytes come from: the file API

@@ -191,6 +191,24 @@ func TestImageModes(t *testing.T) {
 	if _, err := s.OpenRead("multitar.img"); err == nil {
 		t.Error("a restore opened multitar.img")
 	}
+	for _, tc := range []struct {
+		cfg   gofer.Config
+		image imageMode
+		ok    bool
+	}{
+		{gofer.Config{}, restoreMode, true},
+		{gofer.Config{}, fsRestoreMode, true},
+		{gofer.Config{Checkpoint: true}, checkpointMode, true},
+		{gofer.Config{Checkpoint: true, Filesystem: true}, fsCheckpointMode, true},
+		{gofer.Config{Checkpoint: true}, fsCheckpointMode, false},
+		{gofer.Config{Checkpoint: true, Filesystem: true}, checkpointMode, false},
+		{gofer.Config{Checkpoint: true}, restoreMode, false},
+		{gofer.Config{}, checkpointMode, false},
+	} {
+		if err := checkMode(tc.cfg, tc.image); (err == nil) != tc.ok {
+			t.Errorf("config checkpoint=%v filesystem=%v for a %s: %v", tc.cfg.Checkpoint, tc.cfg.Filesystem, tc.image, err)
+		}
+	}
 	w := &server{ctx: ctx, log: s.log, image: checkpointMode, uploads: gofer.NewClient(filepath.Join(t.TempDir(), "none.sock"), "m", "", 0)}
 	if _, err := w.OpenWrite("fscheckpoint.pb"); err == nil || !strings.Contains(err.Error(), "no file of a checkpoint image") {
 		t.Errorf("a checkpoint opened fscheckpoint.pb for writing: %v", err)

@@ -195,6 +195,9 @@ func TestFilesystemCheckpoint(t *testing.T) {
 type pullerDaemon struct {
 	client *http.Client
 	log    string
+	args   []string
+	cmd    *exec.Cmd
+	e      *restoreEnv
 }
 
 // startDaemon starts `cryo puller serve` on an empty node cache and
@@ -203,29 +206,49 @@ func (e *restoreEnv) startDaemon(t *testing.T) *pullerDaemon {
 	t.Helper()
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "puller.sock")
-	d := &pullerDaemon{log: filepath.Join(dir, "log"), client: &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+	d := &pullerDaemon{e: e, log: filepath.Join(dir, "log"), client: &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
 	}}}}
-	lf, err := os.Create(d.log)
+	d.args = []string{"puller", "serve", "--socket", sock, "--cache", filepath.Join(dir, "cache"), "--mounts", filepath.Join(dir, "mnt"), "--profile", "none"}
+	d.start(t)
+	t.Cleanup(func() { d.cmd.Process.Kill(); d.cmd.Wait() })
+	return d
+}
+
+// start starts the daemon's process, its output appended to its log, and
+// waits until its API answers.
+func (d *pullerDaemon) start(t *testing.T) {
+	t.Helper()
+	lf, err := os.OpenFile(d.log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer lf.Close()
-	cmd := e.command(context.Background(), "puller", "serve", "--socket", sock, "--cache", filepath.Join(dir, "cache"), "--mounts", filepath.Join(dir, "mnt"), "--profile", "none")
-	cmd.Stdout, cmd.Stderr = lf, lf
-	if err := cmd.Start(); err != nil {
+	d.cmd = d.e.command(context.Background(), d.args...)
+	d.cmd.Stdout, d.cmd.Stderr = lf, lf
+	if err := d.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		if resp, err := d.client.Get("http://puller/healthz"); err == nil {
 			resp.Body.Close()
-			return d
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("cryo puller serve never answered:\n%s", d.logged())
 		}
 	}
+}
+
+// restart stops the daemon as a node's service manager does (SIGTERM)
+// and starts it again on the same socket, node cache and mounts dir.
+func (d *pullerDaemon) restart(t *testing.T) {
+	t.Helper()
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	if err := d.cmd.Wait(); err != nil {
+		t.Errorf("cryo puller serve after SIGTERM: %v\n%s", err, d.logged())
+	}
+	d.start(t)
 }
 
 func (d *pullerDaemon) logged() string {
@@ -310,8 +333,9 @@ func TestWorkloadTriggeredFilesystemCheckpoint(t *testing.T) {
 // TestWorkloadTriggeredCheckpoint: a sandbox created with gVisor's
 // dev.gvisor.internal.checkpoint.path annotation naming a checkpoint dir
 // the puller daemon handed out checkpoints itself when its workload writes
-// 1 to /proc/gvisor/checkpoint, and goes on (resume); the daemon pushes
-// and tags the snapshot; a restore from a gofer mount of that tag, on the
+// 1 to /proc/gvisor/checkpoint, and goes on (resume); the daemon,
+// restarted between the sandbox's start and the trigger, pushes and tags
+// the snapshot; a restore from a gofer mount of that tag, on the
 // daemon's empty node cache, goes on from the checkpoint with the app's
 // memory unchanged.
 func TestWorkloadTriggeredCheckpoint(t *testing.T) {
@@ -331,6 +355,9 @@ func TestWorkloadTriggeredCheckpoint(t *testing.T) {
 		"dev.gvisor.internal.checkpoint.compression": "none",
 		"dev.gvisor.internal.checkpoint.resume":      "true",
 	}})
+	// The daemon is restarted (upgraded, say) between the sandbox's
+	// start and its checkpoint: the next one takes the session over.
+	d.restart(t)
 	before := app.NextCount(t)
 	if out := app.Exec(t, "/bin/sh", "-c", "exec 3<>/proc/gvisor/checkpoint && echo 1 >&3 && cat <&3"); out != "resume\n" {
 		t.Fatalf("the workload's checkpoint read %q, want resume\n%s", out, d.logged())

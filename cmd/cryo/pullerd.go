@@ -82,7 +82,9 @@ lazily from the node cache and the registry (mirrors first):
   GET    /v1/checkpoints[/{id}] state: waiting, writing, finishing, pushed
                                or failed; POST .../wait returns once pushed
                                or failed; DELETE ends one (no tag if not
-                               pushed yet; 409 while its tag is pushed)
+                               pushed yet; 409 while its tag is pushed).
+                               A session no file came to yet survives a
+                               restart on the same --socket and --mounts
   GET    /metrics              Prometheus metrics (also on --metrics-addr,
                                which serves only /metrics and /healthz)
 
@@ -190,15 +192,15 @@ Logs are structured (JSON) on stderr.`,
 			}
 			// Checkpoints the workload triggers go where their request says,
 			// with the node's credentials, in the default format.
-			prepare := func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
-				repo, tag, err := pf.client.Repository(ref)
+			prepare := func(ctx context.Context, req daemon.CheckpointRequest) (*checkpoint.Triggered, error) {
+				repo, tag, err := pf.client.Repository(req.Ref)
 				if err != nil {
 					return nil, fmt.Errorf("%w: %w", daemon.ErrInvalidRequest, err)
 				}
 				if _, err := digest.Parse(tag); err == nil { // a tag-less ref names "latest"
-					return nil, fmt.Errorf("%w: checkpoint to %q: a checkpoint needs a tag to push to", daemon.ErrInvalidRequest, ref)
+					return nil, fmt.Errorf("%w: checkpoint to %q: a checkpoint needs a tag to push to", daemon.ErrInvalidRequest, req.Ref)
 				}
-				return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
+				return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: req.Filesystem, Deferred: req.Adopted, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
 			}
 			d, err := daemon.New(p, resolve, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg, Checkpoint: prepare})
 			if err != nil {

@@ -131,7 +131,7 @@ func Checkpoint(ctx context.Context, opts Options) (*Result, error) {
 	img := filepath.Join(session.Dir, "img")
 	ref := opts.Repo.Reference
 	ref.Reference = opts.Tag
-	if err := gofer.WriteImageDir(img, gofer.Config{MediaType: gofer.MediaType, Reference: ref.String(), Checkpoint: true, Socket: session.Socket, Mount: sessionID, Log: opts.GoferLog}); err != nil {
+	if err := gofer.WriteImageDir(img, gofer.Config{MediaType: gofer.MediaType, Reference: ref.String(), Checkpoint: true, Filesystem: opts.Filesystem, Socket: session.Socket, Mount: sessionID, Log: opts.GoferLog}); err != nil {
 		return nil, err
 	}
 	command, first, cmdFlags := "checkpoint", format.CheckpointFile, []string{"--compression=none"}

@@ -26,6 +26,12 @@ type TriggeredOptions struct {
 	// dev.gvisor.internal.fscheckpoint.path annotation) instead of a
 	// checkpoint's (dev.gvisor.internal.checkpoint.path).
 	Filesystem bool
+	// Deferred asks the registry nothing until the first file comes (the
+	// pusher, which resolves the tag's previous snapshot to dedupe
+	// against, is made then): for a session taken over from an earlier
+	// daemon, whose registry may not answer while this one starts.
+	// Without it NewTriggered fails at once if the registry does.
+	Deferred bool
 }
 
 // Triggered is a checkpoint no runsc command starts: the sandbox's
@@ -39,6 +45,11 @@ type TriggeredOptions struct {
 // or after the snapshot is finished or failed, is refused (an error that
 // wraps gofer.ErrRefused).
 type Triggered struct {
+	repo *remote.Repository
+	push transfer.PushOptions
+	// pusher is made by NewTriggered, or (Deferred) by the first AddFile,
+	// under pmu; sink wraps it.
+	pmu    sync.Mutex
 	pusher *transfer.Pusher
 	tag    string
 	want   []string
@@ -73,21 +84,40 @@ func NewTriggered(ctx context.Context, opts TriggeredOptions) (*Triggered, error
 	if opts.Repo == nil || opts.Tag == "" {
 		return nil, errors.New("checkpoint: a repository and a tag are needed")
 	}
-	pusher, err := transfer.NewPusher(ctx, opts.Repo, opts.Tag, opts.Push)
-	if err != nil {
-		return nil, err
-	}
 	fctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	return &Triggered{
-		pusher:  pusher,
+	t := &Triggered{
+		repo:    opts.Repo,
+		push:    opts.Push,
 		tag:     opts.Tag,
 		want:    format.ImageFiles(opts.Filesystem),
-		sink:    &countingSink{sink: pusher, files: map[string]int64{}},
+		sink:    &countingSink{files: map[string]int64{}},
 		ctx:     fctx,
 		cancel:  cancel,
 		done:    make(chan struct{}),
 		started: map[string]bool{},
-	}, nil
+	}
+	if !opts.Deferred {
+		if err := t.makePusher(ctx); err != nil {
+			cancel()
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+// makePusher makes the pusher, unless made.
+func (t *Triggered) makePusher(ctx context.Context) error {
+	t.pmu.Lock()
+	defer t.pmu.Unlock()
+	if t.pusher != nil {
+		return nil
+	}
+	pusher, err := transfer.NewPusher(ctx, t.repo, t.tag, t.push)
+	if err != nil {
+		return fmt.Errorf("checkpoint to %s: %w", t.tag, err)
+	}
+	t.pusher, t.sink.sink = pusher, pusher
+	return nil
 }
 
 // AddFile implements gofer.Sink: it packs one file of the checkpoint and,
@@ -112,6 +142,10 @@ func (t *Triggered) AddFile(ctx context.Context, path string, mode fs.FileMode, 
 	t.busy.Add(1)
 	t.mu.Unlock()
 	defer t.busy.Done()
+	if err := t.makePusher(ctx); err != nil {
+		t.end(nil, err)
+		return 0, err
+	}
 
 	// Close stops the packing too.
 	ctx, cancel := context.WithCancel(ctx)
@@ -157,9 +191,16 @@ func (t *Triggered) endLocked(res *transfer.PushResult, err error) {
 		t.took = time.Since(t.at)
 	}
 	close(t.done)
+	// The files still being packed stop at their next read (their
+	// uploads are cut by the upload API, which watches Done).
+	t.cancel()
 	go func() {
 		t.busy.Wait()
-		t.pusher.Close()
+		t.pmu.Lock()
+		defer t.pmu.Unlock()
+		if t.pusher != nil {
+			t.pusher.Close()
+		}
 	}()
 }
 
@@ -244,25 +285,33 @@ func (t *Triggered) stateLocked() string {
 
 // Close ends the checkpoint and returns once it ended. One still being
 // written fails with ErrClosed and leaves no tag: the files being packed
-// are stopped. One being finished (every file in, its index and tag being
-// pushed) is let finish until ctx is done, and only then cancelled, so
-// that its state says what it did: a snapshot tagged is reported pushed.
-// (Cancelled while its tag is being pushed, it may be tagged and yet
-// reported failed: the registry took the tag but its answer was not
-// waited for.)
+// stop at their next read. One being finished (every file in, its index
+// and tag being pushed) is let finish until ctx is done, and only then
+// cancelled, so that its state says what it did: a snapshot tagged is
+// reported pushed. (Cancelled while its tag is being pushed, it may be
+// tagged and yet reported failed: the registry took the tag but its
+// answer was not waited for.)
 func (t *Triggered) Close(ctx context.Context) {
-	t.mu.Lock()
-	finishing := t.finishing && !t.isOver()
-	if !finishing {
-		t.endLocked(nil, ErrClosed)
+	if t.TryClose() {
+		return
 	}
-	t.mu.Unlock()
-	if finishing {
-		select {
-		case <-t.done:
-		case <-ctx.Done():
-		}
+	select {
+	case <-t.done:
+	case <-ctx.Done():
 	}
 	t.cancel()
 	<-t.done
+}
+
+// TryClose ends the checkpoint as Close does unless it is being finished,
+// and reports whether it ended it (or it had ended): false means its
+// index and tag are being pushed, and it was left alone.
+func (t *Triggered) TryClose() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.finishing && !t.isOver() {
+		return false
+	}
+	t.endLocked(nil, ErrClosed)
+	return true
 }

@@ -128,6 +128,7 @@ func TestTriggeredClose(t *testing.T) {
 		tr := env.prepare(t, "tagging")
 		addSmallFiles(t, tr)
 		seen := env.gate.Hold()
+		t.Cleanup(env.gate.Release) // before tr's Close, which waits for the tag
 		if _, err := tr.AddFile(context.Background(), format.PagesFile, gofer.FileMode, strings.NewReader(string(pages))); err != nil {
 			t.Fatal(err)
 		}

@@ -34,11 +34,22 @@ import (
 //	PUT    /v1/checkpoints/{id}/files/{path}, .../refs/{path}
 //	                             the gofer's upload API (package gofer)
 
-// CheckpointFunc prepares a checkpoint to ref (tagged there once the
-// workload has written it), of a filesystem checkpoint's files if
-// filesystem is set. An error of the request itself (a ref it cannot
-// parse, or cannot push to) wraps ErrInvalidRequest.
-type CheckpointFunc func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error)
+// CheckpointFunc prepares a checkpoint (tagged at its ref once the
+// workload has written it). An error of the request itself (a ref it
+// cannot parse, or that names no tag) wraps ErrInvalidRequest.
+type CheckpointFunc func(ctx context.Context, req CheckpointRequest) (*checkpoint.Triggered, error)
+
+// CheckpointRequest is what a CheckpointFunc prepares.
+type CheckpointRequest struct {
+	// Ref is where the snapshot goes (host/repo:tag).
+	Ref string
+	// Filesystem asks for a filesystem checkpoint's files.
+	Filesystem bool
+	// Adopted is set for a session of an earlier daemon taken over at
+	// start: the registry is not asked anything until its first file
+	// comes (checkpoint.TriggeredOptions.Deferred).
+	Adopted bool
+}
 
 // ErrInvalidRequest marks a CheckpointFunc's error as the request's fault:
 // the API answers 400 (other errors, such as a registry that cannot be
@@ -119,7 +130,7 @@ func (d *Daemon) createCheckpoint(w http.ResponseWriter, r *http.Request) {
 		return added
 	}
 	defer admit(nil)
-	t, err := d.checkpoint(r.Context(), req.Ref, req.Filesystem)
+	t, err := d.checkpoint(r.Context(), CheckpointRequest{Ref: req.Ref, Filesystem: req.Filesystem})
 	if errors.Is(err, ErrInvalidRequest) {
 		httpError(w, http.StatusBadRequest, err.Error())
 		return
@@ -137,9 +148,9 @@ func (d *Daemon) createCheckpoint(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusInternalServerError, fmt.Sprintf("image dir: %v", err))
 		return
 	}
-	if err := gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Checkpoint: true, Socket: d.socket, Mount: id}); err != nil {
+	if err := gofer.WriteImageDir(dir, gofer.Config{MediaType: gofer.MediaType, Reference: req.Ref, Checkpoint: true, Filesystem: req.Filesystem, Socket: d.socket, Mount: id}); err != nil {
 		t.Close(r.Context())
-		os.Remove(dir)
+		removeImageDir(dir)
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
 	}
@@ -149,11 +160,7 @@ func (d *Daemon) createCheckpoint(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusServiceUnavailable, "the puller is shutting down")
 		return
 	}
-	go func() {
-		<-t.Done()
-		st := t.Status()
-		d.log.Info("checkpoint ended", "id", id, "ref", req.Ref, "state", st.State, "index", st.Index, "err", st.Error)
-	}()
+	d.watchCheckpoint(e)
 	d.log.Info("checkpoint prepared", "id", id, "ref", req.Ref, "filesystem", req.Filesystem, "dir", dir)
 	writeJSON(w, http.StatusCreated, e.status())
 }
@@ -250,13 +257,14 @@ func (d *Daemon) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusNotFound, "no checkpoint "+id)
 		return
 	}
-	if e.t.Status().State == checkpoint.StateFinishing {
+	// Ended (or found finishing) under d.mu, so that a DELETE never
+	// waits for a tag, and of concurrent DELETEs one ends it.
+	if !e.t.TryClose() {
 		d.mu.Unlock()
 		w.Header().Set("Retry-After", "1")
 		httpError(w, http.StatusConflict, "checkpoint "+id+" is being tagged: wait for it (POST /v1/checkpoints/"+id+"/wait), then delete it")
 		return
 	}
-	// Removed under the lock: of concurrent DELETEs, one ends it.
 	delete(d.checkpoints, id)
 	d.mu.Unlock()
 	d.endCheckpoint(r.Context(), e)
@@ -267,9 +275,91 @@ func (d *Daemon) deleteCheckpoint(w http.ResponseWriter, r *http.Request) {
 // is let finish until ctx is done) and removes its image dir.
 func (d *Daemon) endCheckpoint(ctx context.Context, e *checkpointEntry) {
 	e.t.Close(ctx)
-	os.Remove(filepath.Join(e.view.Dir, gofer.ConfigFile))
-	os.Remove(e.view.Dir)
+	removeImageDir(e.view.Dir)
 	d.log.Info("checkpoint deleted", "id", e.view.ID, "ref", e.view.Ref, "state", e.t.Status().State)
+}
+
+func removeImageDir(dir string) {
+	os.Remove(filepath.Join(dir, gofer.ConfigFile))
+	os.Remove(dir)
+}
+
+// closeCheckpoints ends the checkpoints of a daemon that closes, giving
+// one being tagged closeGrace to finish; the channel is closed once all
+// ended. One no file came to yet keeps its dir, for the daemon that
+// starts next to take over (its sandbox may still checkpoint).
+func (d *Daemon) closeCheckpoints(checkpoints map[string]*checkpointEntry) <-chan struct{} {
+	ctx, cancel := context.WithTimeout(context.Background(), closeGrace)
+	var wg sync.WaitGroup
+	for _, e := range checkpoints {
+		if e.t.Status().State == checkpoint.StateWaiting {
+			e.t.Close(ctx)
+			d.log.Info("checkpoint left for the next daemon", "id", e.view.ID, "ref", e.view.Ref, "dir", e.view.Dir)
+			continue
+		}
+		wg.Go(func() { d.endCheckpoint(ctx, e) })
+	}
+	ended := make(chan struct{})
+	go func() {
+		wg.Wait()
+		cancel()
+		close(ended)
+	}()
+	return ended
+}
+
+// adoptCheckpoints takes over the sessions an earlier daemon on the same
+// socket left waiting (SPEC.md 14.4): their sandboxes hold the dir in
+// their annotations and runsc's gofer will upload to this socket. Each is
+// found by its gcs_opts.json (a checkpoint's, naming this socket and its
+// dir's name as the session); the registry is asked nothing until its
+// first file comes. A dir whose config cannot be read, or whose session
+// cannot be prepared, is removed (its sandbox's checkpoint would fail
+// anyway).
+func (d *Daemon) adoptCheckpoints() {
+	ents, err := os.ReadDir(d.mountsDir)
+	if err != nil {
+		d.log.Error("adopt checkpoints", "err", err)
+		return
+	}
+	for _, ent := range ents {
+		dir := filepath.Join(d.mountsDir, ent.Name())
+		f, err := os.Open(filepath.Join(dir, gofer.ConfigFile))
+		if err != nil {
+			continue // a mount point, or no image dir of cryo's
+		}
+		cfg, err := gofer.ReadConfig(f)
+		fi, serr := f.Stat()
+		f.Close()
+		if err == nil && serr != nil {
+			err = serr
+		}
+		if err == nil && (!cfg.Checkpoint || cfg.Socket != d.socket || cfg.Mount != ent.Name()) {
+			continue // a gofer mount's, or another daemon's
+		}
+		var t *checkpoint.Triggered
+		if err == nil {
+			t, err = d.checkpoint(context.Background(), CheckpointRequest{Ref: cfg.Reference, Filesystem: cfg.Filesystem, Adopted: true})
+		}
+		if err != nil {
+			d.log.Error("adopt checkpoint: removed", "dir", dir, "err", err)
+			removeImageDir(dir)
+			continue
+		}
+		e := &checkpointEntry{view: Checkpoint{ID: ent.Name(), Ref: cfg.Reference, Dir: dir, Filesystem: cfg.Filesystem, Created: fi.ModTime()}, t: t}
+		d.checkpoints[e.view.ID] = e
+		d.watchCheckpoint(e)
+		d.log.Info("checkpoint adopted", "id", e.view.ID, "ref", cfg.Reference, "filesystem", cfg.Filesystem, "dir", dir)
+	}
+}
+
+// watchCheckpoint logs e's end.
+func (d *Daemon) watchCheckpoint(e *checkpointEntry) {
+	go func() {
+		<-e.t.Done()
+		st := e.t.Status()
+		d.log.Info("checkpoint ended", "id", e.view.ID, "ref", e.view.Ref, "state", st.State, "index", st.Index, "err", st.Error)
+	}()
 }
 
 // sink finds a checkpoint's sink for the upload API.

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cryo-oci/cryo/puller/checkpoint"
 	"github.com/cryo-oci/cryo/puller/gofer"
@@ -199,6 +200,46 @@ func TestTriggeredCheckpoint(t *testing.T) {
 		}
 	})
 
+	t.Run("stalled", func(t *testing.T) {
+		// DELETE while a writer that stopped writing holds pages.img
+		// open: the upload is cut, and nothing waits for its writer.
+		ref := td.host + "/app-fs:stalled"
+		cp := td.prepareCheckpoint(t, ref)
+		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
+			if err := td.upload(cp.ID, name, files[name]); err != nil {
+				t.Fatalf("upload %s: %v", name, err)
+			}
+		}
+		pr, pw := io.Pipe()
+		defer pw.Close()
+		req, _ := http.NewRequest("PUT", "http://puller/v1/checkpoints/"+cp.ID+"/files/pages.img", pr)
+		answered := make(chan int, 1)
+		go func() {
+			resp, err := td.client.Do(req)
+			if err != nil {
+				answered <- 0
+				return
+			}
+			resp.Body.Close()
+			answered <- resp.StatusCode
+		}()
+		if _, err := pw.Write(files["pages.img"][:1<<20]); err != nil {
+			t.Fatal(err)
+		}
+		td.call(t, "DELETE", "/v1/checkpoints/"+cp.ID, "", http.StatusNoContent)
+		select {
+		case code := <-answered:
+			if code == http.StatusCreated {
+				t.Errorf("a stalled pages.img was taken after DELETE")
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the upload of a deleted checkpoint still waits for its writer 30 s after DELETE")
+		}
+		if tagged(t, ref) {
+			t.Error("a deleted checkpoint was tagged")
+		}
+	})
+
 	t.Run("tagging", func(t *testing.T) {
 		// A DELETE while the tag is being pushed does not end the
 		// checkpoint halfway: 409, and it is reported as it ends.
@@ -210,10 +251,15 @@ func TestTriggeredCheckpoint(t *testing.T) {
 			}
 		}
 		seen := td.gate.Hold()
+		t.Cleanup(td.gate.Release)
 		if err := td.upload(cp.ID, "pages.img", files["pages.img"]); err != nil {
 			t.Fatal(err)
 		}
-		<-seen
+		select {
+		case <-seen:
+		case <-time.After(time.Minute):
+			t.Fatal("no tag was pushed after the last file")
+		}
 		td.call(t, "DELETE", "/v1/checkpoints/"+cp.ID, "", http.StatusConflict)
 		td.gate.Release()
 		var st Checkpoint
@@ -279,14 +325,14 @@ func TestCheckpointLimit(t *testing.T) {
 // a dir behind.
 func TestCheckpointDuringClose(t *testing.T) {
 	entered, release := make(chan struct{}), make(chan struct{})
-	td := newTestDaemon(t, Options{Checkpoint: func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
+	td := newTestDaemon(t, Options{Checkpoint: func(ctx context.Context, req CheckpointRequest) (*checkpoint.Triggered, error) {
 		close(entered)
 		<-release
-		repo, tag, err := transfer.Repository(ref, transfer.ClientOptions{})
+		repo, tag, err := transfer.Repository(req.Ref, transfer.ClientOptions{})
 		if err != nil {
 			return nil, err
 		}
-		return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem})
+		return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: req.Filesystem})
 	}})
 	type answer struct {
 		code int
@@ -317,5 +363,51 @@ func TestCheckpointDuringClose(t *testing.T) {
 	td.d.mu.Unlock()
 	if n != 0 {
 		t.Errorf("the closed daemon holds %d checkpoints", n)
+	}
+}
+
+// TestCheckpointAdoptedAfterRestart: a session no file came to survives
+// the daemon's restart (its sandbox, created with the dir in its
+// annotations, may checkpoint later): the next daemon on the same socket
+// and mounts dir lists it, takes its files and tags the snapshot. A
+// session cut by the stop is gone with its dir, and a dir whose config
+// cannot be read is removed.
+func TestCheckpointAdoptedAfterRestart(t *testing.T) {
+	td := newTestDaemon(t, Options{})
+	waiting := td.prepareCheckpoint(t, td.host+"/app-fs:adopted")
+	started := td.prepareCheckpoint(t, td.host+"/app-fs:started")
+	if err := td.upload(started.ID, "fscheckpoint.pb", []byte("manifest")); err != nil {
+		t.Fatal(err)
+	}
+	bogus := filepath.Join(td.mounts, "bogus")
+	os.Mkdir(bogus, 0o700)
+	os.WriteFile(filepath.Join(bogus, gofer.ConfigFile), []byte("{"), 0o600)
+	td.d.Close()
+	if _, err := os.Stat(filepath.Join(waiting.Dir, gofer.ConfigFile)); err != nil {
+		t.Fatalf("a waiting session's dir after the daemon stopped: %v", err)
+	}
+	if _, err := os.Stat(started.Dir); !os.IsNotExist(err) {
+		t.Errorf("a session cut by the stop kept its dir: %v", err)
+	}
+
+	next := newTestDaemon(t, Options{MountsDir: td.mounts, Socket: td.sock})
+	st := next.checkpointState(t, waiting.ID)
+	if st.State != checkpoint.StateWaiting || st.Ref != waiting.Ref || !st.Filesystem || st.Dir != waiting.Dir {
+		t.Fatalf("adopted: %+v, was %+v", st, waiting)
+	}
+	next.call(t, "GET", "/v1/checkpoints/"+started.ID, "", http.StatusNotFound)
+	if _, err := os.Stat(bogus); !os.IsNotExist(err) {
+		t.Errorf("a dir with an unreadable config was kept: %v", err)
+	}
+	files := map[string][]byte{"fscheckpoint.pb": []byte("manifest"), "multitar.img": make([]byte, 1<<20), "pages_meta.img": make([]byte, 4096), "pages.img": make([]byte, 2<<20)}
+	rand.Read(files["pages.img"])
+	for name, data := range files {
+		if err := next.upload(waiting.ID, name, data); err != nil {
+			t.Fatalf("upload %s to the adopted session: %v", name, err)
+		}
+	}
+	json.Unmarshal(next.call(t, "POST", "/v1/checkpoints/"+waiting.ID+"/wait", "", http.StatusOK), &st)
+	if st.State != checkpoint.StatePushed || !tagged(t, waiting.Ref) {
+		t.Errorf("the adopted session after its files: %+v", st)
 	}
 }

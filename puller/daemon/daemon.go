@@ -155,6 +155,9 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 		readyHist: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_ready_seconds", Help: "Time from a mount request until its image dir is ready.", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 		loadHist:  prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_loaded_seconds", Help: "Time from a mount request until every chunk is local.", Buckets: prometheus.ExponentialBuckets(0.05, 2, 14)}),
 	}
+	if d.checkpoint != nil && d.socket != "" {
+		d.adoptCheckpoints()
+	}
 	if err := registerAll(opts.Registerer, d.readyHist, d.loadHist, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cryo_puller_cache_bytes", Help: "Bytes in the node cache."}, func() float64 {
 		return float64(p.Cache().Stats().Bytes)
 	}), prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cryo_puller_mounts", Help: "Live mounts."}, func() float64 {
@@ -284,19 +287,14 @@ func (d *Daemon) Close() {
 	}
 	d.mu.Unlock()
 	// Outside the lock: a checkpoint being tagged is let finish for a
-	// while, and uploads still look theirs up.
-	ctx, cancel := context.WithTimeout(context.Background(), closeGrace)
-	defer cancel()
-	var wg sync.WaitGroup
-	for _, e := range checkpoints {
-		wg.Go(func() { d.endCheckpoint(ctx, e) })
-	}
+	// while.
+	ended := d.closeCheckpoints(checkpoints)
 	for _, e := range mounts {
 		if err := e.m.Unmount(); err != nil {
 			d.log.Error("unmount", "id", e.id, "err", err)
 		}
 	}
-	wg.Wait()
+	<-ended
 }
 
 func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {

@@ -89,17 +89,19 @@ func newTestDaemon(t *testing.T, opts Options) *testDaemon {
 		opts.MountsDir = filepath.Join(t.TempDir(), "mounts")
 	}
 	if opts.Checkpoint == nil {
-		opts.Checkpoint = func(ctx context.Context, ref string, filesystem bool) (*checkpoint.Triggered, error) {
-			repo, tag, err := client.Repository(ref)
+		opts.Checkpoint = func(ctx context.Context, req CheckpointRequest) (*checkpoint.Triggered, error) {
+			repo, tag, err := client.Repository(req.Ref)
 			if err != nil {
 				return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 			}
-			return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: filesystem, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
+			return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: req.Filesystem, Deferred: req.Adopted, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
 		}
 	}
 	opts.Logger, opts.Registerer, opts.Gatherer = slog.Default(), reg, reg
-	sock := filepath.Join(t.TempDir(), "puller.sock")
-	opts.Socket = sock
+	if opts.Socket == "" {
+		opts.Socket = filepath.Join(t.TempDir(), "puller.sock")
+	}
+	sock := opts.Socket
 	d, err := New(p, resolve, opts)
 	if err != nil {
 		t.Fatal(err)

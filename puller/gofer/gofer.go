@@ -180,6 +180,12 @@ type Config struct {
 	// Reference names. Index is empty then: the snapshot does not exist
 	// yet.
 	Checkpoint bool `json:"checkpoint,omitempty"`
+	// Filesystem, for a checkpoint, says that the files are a filesystem
+	// checkpoint's (runsc fscheckpoint, or the workload's
+	// /proc/gvisor/fscheckpoint): the gofer refuses the other kind, and a
+	// daemon that takes over the session after a restart knows which
+	// files to expect.
+	Filesystem bool `json:"filesystem,omitempty"`
 }
 
 // Validate checks a Config.
@@ -193,6 +199,8 @@ func (c Config) Validate() error {
 		}
 	} else if err := c.Index.Validate(); err != nil {
 		return fmt.Errorf("%s: index %q: %w", ConfigFile, c.Index, err)
+	} else if c.Filesystem {
+		return fmt.Errorf("%s: filesystem is for a checkpoint's config (a restore reads what its snapshot holds)", ConfigFile)
 	}
 	if (c.Socket == "") != (c.Mount == "") {
 		return fmt.Errorf("%s: socket and mount go together (socket %q, mount %q)", ConfigFile, c.Socket, c.Mount)
@@ -221,7 +229,7 @@ func (c Config) Validate() error {
 }
 
 // configKeys are Config's JSON keys, exactly.
-var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true, "checkpoint": true,
+var configKeys = map[string]bool{"mediaType": true, "reference": true, "index": true, "socket": true, "mount": true, "log": true, "cacheDir": true, "checkpoint": true, "filesystem": true,
 	"peers": true, "peerTokenFile": true, "peerCA": true, "peerServerName": true}
 
 // ReadConfig reads and validates a ConfigFile. Keys must be exact and

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -315,7 +316,9 @@ func serveRefs(ctx context.Context, conn *net.UnixConn, sink Sink, path string) 
 	}
 	fr := &refReader{conn: conn, files: map[uint32]*os.File{}}
 	defer fr.closeFiles()
+	cut := cutWhenDone(sink, func() { conn.SetReadDeadline(time.Now()) })
 	n, err := sink.AddFile(ctx, path, FileMode, fr)
+	cut()
 	if err == nil && !fr.ended {
 		// A sink that stopped reading before the end took a file cut
 		// short: never acknowledged as whole.

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"time"
 )
 
 // The upload API, served on a cryo process's unix socket while it
@@ -23,11 +24,40 @@ import (
 // hashed and stored); an error status, or a connection cut, means the
 // file is not in the snapshot, and the checkpoint fails. A file the
 // session will not take at all (ErrRefused) is answered 409 before its
-// body is read; other failures 502.
+// body is read; other failures 502. (A reference upload, RefsProtocol,
+// gets the same errors as an X frame after its 101.)
 
 // Sink is where a checkpoint's files go (transfer.Pusher implements it).
+// A Sink whose session can end while files are still being written
+// (checkpoint.Triggered) also has a Done() <-chan struct{}, closed then:
+// the upload API cuts the uploads still being read (their reads fail at
+// once), so that a writer that stalls does not hold the Sink.
 type Sink interface {
 	AddFile(ctx context.Context, path string, mode fs.FileMode, r io.Reader) (int64, error)
+}
+
+// cutWhenDone calls cut once sink's session ends (if it can), unless stop
+// was called first. A session over already refuses the file unread: its
+// answer is not cut.
+func cutWhenDone(sink Sink, cut func()) (stop func()) {
+	e, ok := sink.(interface{ Done() <-chan struct{} })
+	if !ok {
+		return func() {}
+	}
+	select {
+	case <-e.Done():
+		return func() {}
+	default:
+	}
+	finished := make(chan struct{})
+	go func() {
+		select {
+		case <-e.Done():
+			cut()
+		case <-finished:
+		}
+	}()
+	return func() { close(finished) }
 }
 
 // ErrRefused is wrapped by a Sink's error for a file it does not take (one
@@ -78,7 +108,10 @@ func RegisterUploads(mux *http.ServeMux, lookup SinkLookup) {
 			http.Error(w, "no checkpoint "+r.PathValue("id"), http.StatusNotFound)
 			return
 		}
+		rc := http.NewResponseController(w)
+		stop := cutWhenDone(sink, func() { rc.SetReadDeadline(time.Now()) })
 		n, err := sink.AddFile(r.Context(), r.PathValue("path"), FileMode, r.Body)
+		stop()
 		if errors.Is(err, ErrRefused) {
 			http.Error(w, err.Error(), http.StatusConflict)
 			return
