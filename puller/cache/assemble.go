@@ -210,7 +210,8 @@ const writebackEvery = 250 * time.Millisecond
 // finds little left to write. Without it the kernel writes a snapshot of
 // less than its dirty threshold only when the commit asks, and a 1 GiB
 // cold restore was stored 0.7 s after its last page loaded, against 0.1 s
-// with it (docs/benchmarks.md). It runs on a goroutine of its own: the
+// with it (docs/benchmarks.md; at 2 GiB the load itself took longer, with
+// the registry on the same disk). It runs on a goroutine of its own: the
 // writers never wait for the disk.
 func (a *Assembly) writeback() {
 	s := a.s
