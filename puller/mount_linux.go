@@ -63,6 +63,24 @@ func CleanStaleMounts(dir string) (int, error) {
 	return n, errors.Join(errs...)
 }
 
+// MountPointsUnder returns the mount points below dir (of any filesystem),
+// from the mount table: what a walk of dir must not open (a FUSE server
+// that hangs would hang it).
+func MountPointsUnder(dir string) (map[string]bool, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil, fmt.Errorf("read mount table: %w", err)
+	}
+	prefix := filepath.Clean(dir) + "/"
+	points := map[string]bool{}
+	for _, line := range strings.Split(string(data), "\n") {
+		if point, _, ok := parseMountInfo(line); ok && strings.HasPrefix(point, prefix) {
+			points[point] = true
+		}
+	}
+	return points, nil
+}
+
 // deadMount reports whether the FUSE mount at point has lost its server:
 // a stat that must ask the server (AT_STATX_FORCE_SYNC: the root's
 // attributes may be cached for an hour) answers ENOTCONN at once. A live

@@ -43,6 +43,7 @@ func newPullerServeCmd() *cobra.Command {
 		installGofer      string
 		metricsAddr       string
 		socketGroup       string
+		checkpointRepos   []string
 		maxMounts         int
 		peerListen        string
 		peerCert, peerKey string
@@ -91,7 +92,9 @@ lazily from the node cache and the registry (mirrors first):
 The socket is 0600 (root's): whoever can connect can mount and read any
 snapshot the puller's credentials reach. --socket-group opens it (0660) to
 one group; whoever can connect can also have the puller push a checkpoint
-with its credentials. The node cache and --mounts are made 0700. Registry credentials
+with its credentials, to any repository they reach unless --checkpoint-repo
+names the ones allowed (host/name, or host/prefix/ for all under it;
+others get 403). The node cache and --mounts are made 0700. Registry credentials
 come from Docker's credential store only (DOCKER_CONFIG), never from flags:
 a reference posted to the API may name any registry. At most --max-mounts
 mounts are live at once, and as many checkpoints not yet ended; a request
@@ -202,7 +205,7 @@ Logs are structured (JSON) on stderr.`,
 				}
 				return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: req.Filesystem, Deferred: req.Adopted, Push: transfer.PushOptions{Pack: format.PackOptions{Format: format.V2}}})
 			}
-			d, err := daemon.New(p, resolve, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg, Checkpoint: prepare})
+			d, err := daemon.New(p, resolve, daemon.Options{MountsDir: mountsDir, Socket: socket, MaxMounts: maxMounts, Logger: log, Registerer: reg, Gatherer: reg, Checkpoint: prepare, CheckpointRepos: checkpointRepos})
 			if err != nil {
 				return err
 			}
@@ -256,6 +259,7 @@ Logs are structured (JSON) on stderr.`,
 	}
 	pf.register(cmd, noCredentials)
 	cmd.Flags().StringVar(&socket, "socket", "/run/cryo/puller.sock", "unix socket of the API (0600)")
+	cmd.Flags().StringArrayVar(&checkpointRepos, "checkpoint-repo", nil, "a repository checkpoint sessions may push to (host/name, or host/prefix/ for every one under it; repeatable); default: any the node's credentials reach")
 	cmd.Flags().StringVar(&socketGroup, "socket-group", "", "group (name or id) that may use the API socket too (0660); default: root only")
 	cmd.Flags().IntVar(&maxMounts, "max-mounts", daemon.DefaultMaxMounts, "live mounts at most; a mount request over it gets 503")
 	cmd.Flags().StringVar(&mountsDir, "mounts", "", "where mounts are made (default <cache>/mounts); must be visible to runsc")

@@ -219,7 +219,7 @@ func (a *Assembly) writeback() {
 	defer t.Stop()
 	for range t.C {
 		s.mu.Lock()
-		if a.done || a.img.gone {
+		if a.done || a.img.gone || s.closed {
 			s.mu.Unlock()
 			return
 		}
@@ -227,8 +227,13 @@ func (a *Assembly) writeback() {
 		fds := append([]*os.File(nil), a.img.fds...)
 		s.mu.Unlock()
 		for _, f := range fds {
-			if f != nil {
-				unix.SyncFileRange(int(f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
+			if f == nil {
+				continue
+			}
+			// Through the file's own reference to its fd: a Close
+			// meanwhile (Store.Close closes regardless of users) waits.
+			if rc, err := f.SyscallConn(); err == nil {
+				rc.Control(func(fd uintptr) { unix.SyncFileRange(int(fd), 0, 0, unix.SYNC_FILE_RANGE_WRITE) })
 			}
 		}
 		s.mu.Lock()
@@ -771,6 +776,7 @@ func (s *Store) indexImageChunks(d digest.Digest, dir string, partial bool) erro
 func (s *Store) Close() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.closed = true
 	for _, img := range s.images {
 		img.closeFiles()
 	}

@@ -7,7 +7,9 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/opencontainers/go-digest"
@@ -578,5 +580,32 @@ func TestPutVerifiedRunPlacesAndFallsBack(t *testing.T) {
 	d := other.chunks[0][0].Digest
 	if errs := s.PutVerifiedRun([]digest.Digest{d}, [][]byte{make([]byte, 100)}); errs[0] == nil {
 		t.Fatal("a chunk of 100 bytes placed where the table says 8192")
+	}
+}
+
+// TestWritebackEndsWithTheStore: an assembly's writeback goroutine, which
+// hands its files to the kernel while it is written, runs while the
+// assembly does and stops once the store is closed, even for an assembly
+// never released; under -race, a Close during its work is no race.
+func TestWritebackEndsWithTheStore(t *testing.T) {
+	s, err := Open(t.TempDir(), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := runtime.NumGoroutine()
+	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {randomBytes(1, 1<<20), randomBytes(2, 1<<20)}})
+	if _, err := s.Assemble(ts.snap, ts.chunks); err != nil {
+		t.Fatal(err)
+	}
+	ts.put(t, s)
+	if runtime.NumGoroutine() <= before {
+		t.Fatal("no writeback goroutine while the assembly is written")
+	}
+	time.Sleep(3 * writebackEvery) // a few rounds of it, then Close amid them
+	s.Close()
+	for deadline := time.Now().Add(10 * time.Second); runtime.NumGoroutine() > before; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d goroutines 10 s after Close, %d before the assembly", runtime.NumGoroutine(), before)
+		}
 	}
 }

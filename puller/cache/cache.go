@@ -56,7 +56,9 @@ type Store struct {
 	// asmMu orders the creation, release and commit of assemblies.
 	asmMu sync.Mutex
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// closed is set by Close: assemblies stop their writeback.
+	closed    bool
 	entries   map[key]*entry
 	total     int64
 	pins      map[key]int

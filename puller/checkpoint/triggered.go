@@ -142,15 +142,15 @@ func (t *Triggered) AddFile(ctx context.Context, path string, mode fs.FileMode, 
 	t.busy.Add(1)
 	t.mu.Unlock()
 	defer t.busy.Done()
+	// The checkpoint's end (Close, a failed file) stops the packing, and
+	// the making of a deferred pusher, too.
+	ctx, cancel := context.WithCancel(ctx)
+	defer context.AfterFunc(t.ctx, cancel)()
+	defer cancel()
 	if err := t.makePusher(ctx); err != nil {
 		t.end(nil, err)
 		return 0, err
 	}
-
-	// Close stops the packing too.
-	ctx, cancel := context.WithCancel(ctx)
-	defer context.AfterFunc(t.ctx, cancel)()
-	defer cancel()
 	n, err := t.sink.AddFile(ctx, path, mode, r)
 	if err != nil {
 		t.end(nil, err)
@@ -301,6 +301,19 @@ func (t *Triggered) Close(ctx context.Context) {
 	}
 	t.cancel()
 	<-t.done
+}
+
+// CloseIfWaiting ends the checkpoint as Close does if no file has come to
+// it yet, and reports whether it did: a daemon that stops keeps such a
+// session for the next one.
+func (t *Triggered) CloseIfWaiting() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.started) > 0 || t.isOver() {
+		return false
+	}
+	t.endLocked(nil, ErrClosed)
+	return true
 }
 
 // TryClose ends the checkpoint as Close does unless it is being finished,

@@ -1,21 +1,26 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
+	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/checkpoint"
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/transfer"
 )
 
 // Checkpoints the workload triggers (SPEC.md 14.4):
@@ -92,6 +97,14 @@ func (d *Daemon) createCheckpoint(w http.ResponseWriter, r *http.Request) {
 	}
 	if d.checkpoint == nil || d.socket == "" {
 		httpError(w, http.StatusNotImplemented, "this puller takes no checkpoints (started without its socket path, or with checkpoints off)")
+		return
+	}
+	if err := d.checkpointAllowed(req.Ref); err != nil {
+		code := http.StatusForbidden
+		if errors.Is(err, ErrInvalidRequest) {
+			code = http.StatusBadRequest
+		}
+		httpError(w, code, err.Error())
 		return
 	}
 	d.mu.Lock()
@@ -284,6 +297,25 @@ func removeImageDir(dir string) {
 	os.Remove(dir)
 }
 
+// checkpointAllowed checks that ref names a repository checkpoints may go
+// to (Options.CheckpointRepos).
+func (d *Daemon) checkpointAllowed(ref string) error {
+	if len(d.checkpointRepos) == 0 {
+		return nil
+	}
+	parsed, err := transfer.ParseReference(ref)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+	}
+	repo := parsed.Registry + "/" + parsed.Repository
+	for _, allowed := range d.checkpointRepos {
+		if repo == allowed || (strings.HasSuffix(allowed, "/") && strings.HasPrefix(repo, allowed)) {
+			return nil
+		}
+	}
+	return fmt.Errorf("checkpoint to %s: this puller pushes checkpoints only to %s (--checkpoint-repo)", repo, strings.Join(d.checkpointRepos, ", "))
+}
+
 // closeCheckpoints ends the checkpoints of a daemon that closes, giving
 // one being tagged closeGrace to finish; the channel is closed once all
 // ended. One no file came to yet keeps its dir, for the daemon that
@@ -292,8 +324,7 @@ func (d *Daemon) closeCheckpoints(checkpoints map[string]*checkpointEntry) <-cha
 	ctx, cancel := context.WithTimeout(context.Background(), closeGrace)
 	var wg sync.WaitGroup
 	for _, e := range checkpoints {
-		if e.t.Status().State == checkpoint.StateWaiting {
-			e.t.Close(ctx)
+		if e.t.CloseIfWaiting() {
 			d.log.Info("checkpoint left for the next daemon", "id", e.view.ID, "ref", e.view.Ref, "dir", e.view.Dir)
 			continue
 		}
@@ -311,46 +342,95 @@ func (d *Daemon) closeCheckpoints(checkpoints map[string]*checkpointEntry) <-cha
 // adoptCheckpoints takes over the sessions an earlier daemon on the same
 // socket left waiting (SPEC.md 14.4): their sandboxes hold the dir in
 // their annotations and runsc's gofer will upload to this socket. Each is
-// found by its gcs_opts.json (a checkpoint's, naming this socket and its
-// dir's name as the session); the registry is asked nothing until its
-// first file comes. A dir whose config cannot be read, or whose session
-// cannot be prepared, is removed (its sandbox's checkpoint would fail
-// anyway).
+// found by its gcs_opts.json, a checkpoint's naming this socket and its
+// dir's name as the session; the registry is asked nothing until its
+// first file comes. Only dirs right under the mounts dir are looked at,
+// never a mount point (another puller's live mount) or a symlink. A dir
+// whose config names this daemon but is not valid, whose repository is no
+// longer allowed (Options.CheckpointRepos) or whose ref no longer parses
+// is removed (its sandbox's checkpoint would fail anyway); every other
+// dir is left as it is.
 func (d *Daemon) adoptCheckpoints() {
+	points, err := puller.MountPointsUnder(d.mountsDir)
+	if err != nil {
+		d.log.Error("adopt checkpoints", "err", err)
+		return
+	}
+	root, err := os.OpenRoot(d.mountsDir)
+	if err != nil {
+		d.log.Error("adopt checkpoints", "err", err)
+		return
+	}
+	defer root.Close()
 	ents, err := os.ReadDir(d.mountsDir)
 	if err != nil {
 		d.log.Error("adopt checkpoints", "err", err)
 		return
 	}
 	for _, ent := range ents {
-		dir := filepath.Join(d.mountsDir, ent.Name())
-		f, err := os.Open(filepath.Join(dir, gofer.ConfigFile))
+		name := ent.Name()
+		dir := filepath.Join(d.mountsDir, name)
+		if !ent.IsDir() || points[dir] {
+			continue
+		}
+		cfgPath := filepath.Join(name, gofer.ConfigFile)
+		data, created, err := readSmall(root, cfgPath, gofer.MaxConfigSize)
 		if err != nil {
-			continue // a mount point, or no image dir of cryo's
+			continue // no image dir of cryo's
 		}
-		cfg, err := gofer.ReadConfig(f)
-		fi, serr := f.Stat()
-		f.Close()
-		if err == nil && serr != nil {
-			err = serr
+		// Leniently first: a config that does not name this daemon's
+		// session (a gofer mount's, another daemon's, a newer cryo's)
+		// is not this daemon's to judge.
+		var names struct {
+			Checkpoint bool   `json:"checkpoint"`
+			Socket     string `json:"socket"`
+			Mount      string `json:"mount"`
 		}
-		if err == nil && (!cfg.Checkpoint || cfg.Socket != d.socket || cfg.Mount != ent.Name()) {
-			continue // a gofer mount's, or another daemon's
+		if json.Unmarshal(data, &names) != nil || !names.Checkpoint || names.Socket != d.socket || names.Mount != name {
+			continue
+		}
+		cfg, err := gofer.ReadConfig(bytes.NewReader(data))
+		if err == nil {
+			err = d.checkpointAllowed(cfg.Reference)
 		}
 		var t *checkpoint.Triggered
 		if err == nil {
 			t, err = d.checkpoint(context.Background(), CheckpointRequest{Ref: cfg.Reference, Filesystem: cfg.Filesystem, Adopted: true})
+			if err != nil && !errors.Is(err, ErrInvalidRequest) {
+				d.log.Error("adopt checkpoint: left as it is", "dir", dir, "err", err)
+				continue
+			}
 		}
 		if err != nil {
 			d.log.Error("adopt checkpoint: removed", "dir", dir, "err", err)
-			removeImageDir(dir)
+			root.Remove(cfgPath)
+			root.Remove(name)
 			continue
 		}
-		e := &checkpointEntry{view: Checkpoint{ID: ent.Name(), Ref: cfg.Reference, Dir: dir, Filesystem: cfg.Filesystem, Created: fi.ModTime()}, t: t}
+		e := &checkpointEntry{view: Checkpoint{ID: name, Ref: cfg.Reference, Dir: dir, Filesystem: cfg.Filesystem, Created: created}, t: t}
 		d.checkpoints[e.view.ID] = e
 		d.watchCheckpoint(e)
 		d.log.Info("checkpoint adopted", "id", e.view.ID, "ref", cfg.Reference, "filesystem", cfg.Filesystem, "dir", dir)
 	}
+}
+
+// readSmall reads the file at path in root, of at most limit bytes, and
+// returns it with its modification time.
+func readSmall(root *os.Root, path string, limit int) ([]byte, time.Time, error) {
+	f, err := root.Open(path)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	if !fi.Mode().IsRegular() || fi.Size() > int64(limit) {
+		return nil, time.Time{}, fmt.Errorf("%s: not a regular file of at most %d bytes", path, limit)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, int64(limit)+1))
+	return data, fi.ModTime(), err
 }
 
 // watchCheckpoint logs e's end.

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -379,9 +380,19 @@ func TestCheckpointAdoptedAfterRestart(t *testing.T) {
 	if err := td.upload(started.ID, "fscheckpoint.pb", []byte("manifest")); err != nil {
 		t.Fatal(err)
 	}
-	bogus := filepath.Join(td.mounts, "bogus")
-	os.Mkdir(bogus, 0o700)
-	os.WriteFile(filepath.Join(bogus, gofer.ConfigFile), []byte("{"), 0o600)
+	// Beside them: dirs that are not this daemon's sessions, left alone,
+	// and one that is but can no longer be prepared, removed.
+	writeConfig := func(name, config string) string {
+		dir := filepath.Join(td.mounts, name)
+		os.Mkdir(dir, 0o700)
+		os.WriteFile(filepath.Join(dir, gofer.ConfigFile), []byte(config), 0o600)
+		return dir
+	}
+	unreadable := writeConfig("unreadable", "{")
+	mount := writeConfig("mount", `{"mediaType": "`+gofer.MediaType+`", "reference": "r/a:v1", "index": "sha256:`+strings.Repeat("0", 64)+`", "socket": "`+td.sock+`", "mount": "mount"}`)
+	other := writeConfig("other", `{"mediaType": "`+gofer.MediaType+`", "reference": "r/a:v1", "checkpoint": true, "socket": "/run/other.sock", "mount": "other"}`)
+	badRef := writeConfig("badref", `{"mediaType": "`+gofer.MediaType+`", "reference": "r/UPPER:v1", "checkpoint": true, "socket": "`+td.sock+`", "mount": "badref"}`)
+	os.Symlink(waiting.Dir, filepath.Join(td.mounts, "link"))
 	td.d.Close()
 	if _, err := os.Stat(filepath.Join(waiting.Dir, gofer.ConfigFile)); err != nil {
 		t.Fatalf("a waiting session's dir after the daemon stopped: %v", err)
@@ -390,14 +401,42 @@ func TestCheckpointAdoptedAfterRestart(t *testing.T) {
 		t.Errorf("a session cut by the stop kept its dir: %v", err)
 	}
 
-	next := newTestDaemon(t, Options{MountsDir: td.mounts, Socket: td.sock})
+	var adopted []CheckpointRequest
+	next := newTestDaemon(t, Options{MountsDir: td.mounts, Socket: td.sock, Checkpoint: func(ctx context.Context, req CheckpointRequest) (*checkpoint.Triggered, error) {
+		adopted = append(adopted, req)
+		repo, tag, err := transfer.Repository(req.Ref, transfer.ClientOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+		}
+		return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Filesystem: req.Filesystem, Deferred: req.Adopted})
+	}})
+	for _, req := range adopted {
+		if !req.Adopted {
+			t.Errorf("a session taken over was prepared as a new one: %+v", req)
+		}
+	}
 	st := next.checkpointState(t, waiting.ID)
 	if st.State != checkpoint.StateWaiting || st.Ref != waiting.Ref || !st.Filesystem || st.Dir != waiting.Dir {
 		t.Fatalf("adopted: %+v, was %+v", st, waiting)
 	}
 	next.call(t, "GET", "/v1/checkpoints/"+started.ID, "", http.StatusNotFound)
-	if _, err := os.Stat(bogus); !os.IsNotExist(err) {
-		t.Errorf("a dir with an unreadable config was kept: %v", err)
+	for _, dir := range []string{unreadable, mount, other} {
+		if _, err := os.Stat(filepath.Join(dir, gofer.ConfigFile)); err != nil {
+			t.Errorf("a dir not of this daemon's sessions was touched: %v", err)
+		}
+	}
+	if _, err := os.Stat(badRef); !os.IsNotExist(err) {
+		t.Errorf("a session dir that can no longer be prepared was kept: %v", err)
+	}
+	var list []Checkpoint
+	json.Unmarshal(next.call(t, "GET", "/v1/checkpoints", "", http.StatusOK), &list)
+	if len(list) != 1 {
+		t.Errorf("adopted %+v, want the waiting session alone", list)
+	}
+	if fi, err := os.Stat(filepath.Join(waiting.Dir, gofer.ConfigFile)); err != nil {
+		t.Error(err)
+	} else if !st.Created.Equal(fi.ModTime()) {
+		t.Errorf("adopted session created %v, its config written %v", st.Created, fi.ModTime())
 	}
 	files := map[string][]byte{"fscheckpoint.pb": []byte("manifest"), "multitar.img": make([]byte, 1<<20), "pages_meta.img": make([]byte, 4096), "pages.img": make([]byte, 2<<20)}
 	rand.Read(files["pages.img"])
@@ -409,5 +448,36 @@ func TestCheckpointAdoptedAfterRestart(t *testing.T) {
 	json.Unmarshal(next.call(t, "POST", "/v1/checkpoints/"+waiting.ID+"/wait", "", http.StatusOK), &st)
 	if st.State != checkpoint.StatePushed || !tagged(t, waiting.Ref) {
 		t.Errorf("the adopted session after its files: %+v", st)
+	}
+}
+
+// TestCheckpointRepos: with Options.CheckpointRepos a checkpoint may go to
+// the repositories named (and under a prefix ending in "/") only; others
+// get 403, before anything is prepared.
+func TestCheckpointRepos(t *testing.T) {
+	h := "127.0.0.1:1" // nothing is pushed: the refs are only checked
+	td := newTestDaemon(t, Options{CheckpointRepos: []string{h + "/allowed", h + "/team/"}, Checkpoint: func(ctx context.Context, req CheckpointRequest) (*checkpoint.Triggered, error) {
+		repo, tag, err := transfer.Repository(req.Ref, transfer.ClientOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+		}
+		return checkpoint.NewTriggered(ctx, checkpoint.TriggeredOptions{Repo: repo, Tag: tag, Deferred: true})
+	}})
+	for ref, want := range map[string]int{
+		h + "/allowed:v1":     http.StatusCreated,
+		h + "/team/app:v1":    http.StatusCreated,
+		h + "/team/a/b:v1":    http.StatusCreated,
+		h + "/other:v1":       http.StatusForbidden,
+		h + "/allowedx:v1":    http.StatusForbidden,
+		h + "/team:v1":        http.StatusForbidden,
+		"127.0.0.2:1/allowed": http.StatusForbidden,
+		h + "/UPPER":          http.StatusBadRequest,
+	} {
+		if code, body := td.do(t, "POST", "/v1/checkpoints", `{"ref": "`+ref+`"}`); code != want {
+			t.Errorf("checkpoint to %s: %d %s, want %d", ref, code, body, want)
+		}
+	}
+	if _, err := New(td.p, nil, Options{MountsDir: t.TempDir(), CheckpointRepos: []string{"no-slash"}}); err == nil {
+		t.Error("a checkpoint repository without a name was taken")
 	}
 }

@@ -46,6 +46,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -86,6 +87,10 @@ type Options struct {
 	// Checkpoint prepares the checkpoints the API takes (POST
 	// /v1/checkpoints); nil: none.
 	Checkpoint CheckpointFunc
+	// CheckpointRepos, if any, are the only repositories checkpoints may
+	// go to: "host/name" is that repository, "host/prefix/" every one
+	// under it. A checkpoint to another is refused (403).
+	CheckpointRepos []string
 }
 
 // Daemon serves the API.
@@ -100,7 +105,8 @@ type Daemon struct {
 	readyHist prometheus.Histogram
 	loadHist  prometheus.Histogram
 
-	checkpoint CheckpointFunc
+	checkpoint      CheckpointFunc
+	checkpointRepos []string
 
 	mu       sync.Mutex
 	mounts   map[string]*entry
@@ -139,6 +145,11 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 	if opts.MaxMounts <= 0 {
 		opts.MaxMounts = DefaultMaxMounts
 	}
+	for _, r := range opts.CheckpointRepos {
+		if host, name, ok := strings.Cut(r, "/"); !ok || host == "" || strings.HasPrefix(name, "/") {
+			return nil, fmt.Errorf("daemon: checkpoint repository %q: want host/name, or host/prefix/ for every repository under it", r)
+		}
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
@@ -151,7 +162,7 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 			return nil, err
 		}
 	}
-	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, socket: opts.Socket, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{}, checkpoints: map[string]*checkpointEntry{}, checkpoint: opts.Checkpoint,
+	d := &Daemon{p: p, resolve: resolve, mountsDir: opts.MountsDir, socket: opts.Socket, max: opts.MaxMounts, log: opts.Logger, gatherer: opts.Gatherer, mounts: map[string]*entry{}, checkpoints: map[string]*checkpointEntry{}, checkpoint: opts.Checkpoint, checkpointRepos: opts.CheckpointRepos,
 		readyHist: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_ready_seconds", Help: "Time from a mount request until its image dir is ready.", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 		loadHist:  prometheus.NewHistogram(prometheus.HistogramOpts{Name: "cryo_puller_time_to_loaded_seconds", Help: "Time from a mount request until every chunk is local.", Buckets: prometheus.ExponentialBuckets(0.05, 2, 14)}),
 	}
