@@ -48,6 +48,19 @@ func (td *testDaemon) prepareCheckpoint(t *testing.T, ref string) Checkpoint {
 	return cp
 }
 
+// startCheckpoint prepares a filesystem checkpoint to ref and uploads
+// every file of it but pages.img.
+func (td *testDaemon) startCheckpoint(t *testing.T, ref string, files map[string][]byte) Checkpoint {
+	t.Helper()
+	cp := td.prepareCheckpoint(t, ref)
+	for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
+		if err := td.upload(cp.ID, name, files[name]); err != nil {
+			t.Fatalf("upload %s: %v", name, err)
+		}
+	}
+	return cp
+}
+
 func (td *testDaemon) checkpointState(t *testing.T, id string) Checkpoint {
 	t.Helper()
 	var cp Checkpoint
@@ -147,12 +160,7 @@ func TestTriggeredCheckpoint(t *testing.T) {
 
 	t.Run("cut", func(t *testing.T) {
 		ref := td.host + "/app-fs:cut"
-		cp := td.prepareCheckpoint(t, ref)
-		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
-			if err := td.upload(cp.ID, name, files[name]); err != nil {
-				t.Fatalf("upload %s: %v", name, err)
-			}
-		}
+		cp := td.startCheckpoint(t, ref, files)
 		c := gofer.NewClient(td.sock, cp.ID, "", 0)
 		defer c.Close()
 		u := c.Upload(context.Background(), "pages.img")
@@ -170,12 +178,7 @@ func TestTriggeredCheckpoint(t *testing.T) {
 
 	t.Run("deleted", func(t *testing.T) {
 		ref := td.host + "/app-fs:deleted"
-		cp := td.prepareCheckpoint(t, ref)
-		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
-			if err := td.upload(cp.ID, name, files[name]); err != nil {
-				t.Fatalf("upload %s: %v", name, err)
-			}
-		}
+		cp := td.startCheckpoint(t, ref, files)
 		// DELETE while the last file is being written: the rest of it
 		// is refused and nothing is tagged.
 		c := gofer.NewClient(td.sock, cp.ID, "", 0)
@@ -205,12 +208,7 @@ func TestTriggeredCheckpoint(t *testing.T) {
 		// DELETE while a writer that stopped writing holds pages.img
 		// open: the upload is cut, and nothing waits for its writer.
 		ref := td.host + "/app-fs:stalled"
-		cp := td.prepareCheckpoint(t, ref)
-		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
-			if err := td.upload(cp.ID, name, files[name]); err != nil {
-				t.Fatalf("upload %s: %v", name, err)
-			}
-		}
+		cp := td.startCheckpoint(t, ref, files)
 		pr, pw := io.Pipe()
 		defer pw.Close()
 		req, _ := http.NewRequest("PUT", "http://puller/v1/checkpoints/"+cp.ID+"/files/pages.img", pr)
@@ -245,12 +243,7 @@ func TestTriggeredCheckpoint(t *testing.T) {
 		// A DELETE while the tag is being pushed does not end the
 		// checkpoint halfway: 409, and it is reported as it ends.
 		ref := td.host + "/app-fs:tagging"
-		cp := td.prepareCheckpoint(t, ref)
-		for _, name := range []string{"fscheckpoint.pb", "multitar.img", "pages_meta.img"} {
-			if err := td.upload(cp.ID, name, files[name]); err != nil {
-				t.Fatalf("upload %s: %v", name, err)
-			}
-		}
+		cp := td.startCheckpoint(t, ref, files)
 		seen := td.gate.Hold()
 		t.Cleanup(td.gate.Release)
 		if err := td.upload(cp.ID, "pages.img", files["pages.img"]); err != nil {
