@@ -71,11 +71,20 @@ func MountPointsUnder(dir string) (map[string]bool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read mount table: %w", err)
 	}
-	prefix := filepath.Clean(dir) + "/"
+	// The table holds absolute paths, symlinks resolved; the points are
+	// returned under dir as given.
+	real, err := filepath.Abs(dir)
+	if err == nil {
+		real, err = filepath.EvalSymlinks(real)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("mount points under %s: %w", dir, err)
+	}
+	prefix := real + "/"
 	points := map[string]bool{}
 	for _, line := range strings.Split(string(data), "\n") {
 		if point, _, ok := parseMountInfo(line); ok && strings.HasPrefix(point, prefix) {
-			points[point] = true
+			points[filepath.Join(dir, strings.TrimPrefix(point, prefix))] = true
 		}
 	}
 	return points, nil

@@ -131,6 +131,8 @@ type Assembly struct {
 	commitMu sync.Mutex
 	// digests are the files' sha256s (from the snapshot).
 	digests []digest.Digest
+	// wroteBack is closed once writeback returned.
+	wroteBack chan struct{}
 }
 
 // slot is a chunk an assembly still wants: file and chunk index.
@@ -168,7 +170,7 @@ func (s *Store) Assemble(snap *format.Snapshot, chunks [][]format.Chunk) (*Assem
 		return nil, err
 	}
 	img := &image{d: d, dir: tmp, fds: make([]*os.File, len(snap.Files))}
-	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), tainted: make([]bool, len(chunks))}
+	a := &Assembly{s: s, img: img, chunks: chunks, refs: 1, filled: make([][]bool, len(chunks)), tainted: make([]bool, len(chunks)), wroteBack: make(chan struct{})}
 	img.asm = a
 	for i, f := range snap.Files {
 		img.paths = append(img.paths, f.Path)
@@ -214,6 +216,7 @@ const writebackEvery = 250 * time.Millisecond
 // the registry on the same disk). It runs on a goroutine of its own: the
 // writers never wait for the disk.
 func (a *Assembly) writeback() {
+	defer close(a.wroteBack)
 	s := a.s
 	t := time.NewTicker(writebackEvery)
 	defer t.Stop()
@@ -230,8 +233,9 @@ func (a *Assembly) writeback() {
 			if f == nil {
 				continue
 			}
-			// Through the file's own reference to its fd: a Close
-			// meanwhile (Store.Close closes regardless of users) waits.
+			// Through the file's own reference to its fd: closed
+			// meanwhile (Store.Close closes regardless of users), the fd
+			// stays open until the call returns.
 			if rc, err := f.SyscallConn(); err == nil {
 				rc.Control(func(fd uintptr) { unix.SyncFileRange(int(fd), 0, 0, unix.SYNC_FILE_RANGE_WRITE) })
 			}

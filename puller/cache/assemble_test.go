@@ -7,7 +7,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"runtime"
 	"testing"
 	"time"
 
@@ -592,20 +591,22 @@ func TestWritebackEndsWithTheStore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	before := runtime.NumGoroutine()
 	ts := newTestSnapshot("a", map[string][][]byte{"pages.img": {randomBytes(1, 1<<20), randomBytes(2, 1<<20)}})
-	if _, err := s.Assemble(ts.snap, ts.chunks); err != nil {
+	a, err := s.Assemble(ts.snap, ts.chunks)
+	if err != nil {
 		t.Fatal(err)
 	}
 	ts.put(t, s)
-	if runtime.NumGoroutine() <= before {
-		t.Fatal("no writeback goroutine while the assembly is written")
-	}
 	time.Sleep(3 * writebackEvery) // a few rounds of it, then Close amid them
+	select {
+	case <-a.wroteBack:
+		t.Fatal("the writeback ended while its assembly was written")
+	default:
+	}
 	s.Close()
-	for deadline := time.Now().Add(10 * time.Second); runtime.NumGoroutine() > before; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d goroutines 10 s after Close, %d before the assembly", runtime.NumGoroutine(), before)
-		}
+	select {
+	case <-a.wroteBack:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the writeback still runs 10 s after the store closed")
 	}
 }

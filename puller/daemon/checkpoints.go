@@ -345,11 +345,12 @@ func (d *Daemon) closeCheckpoints(checkpoints map[string]*checkpointEntry) <-cha
 // found by its gcs_opts.json, a checkpoint's naming this socket and its
 // dir's name as the session; the registry is asked nothing until its
 // first file comes. Only dirs right under the mounts dir are looked at,
-// never a mount point (another puller's live mount) or a symlink. A dir
-// whose config names this daemon but is not valid, whose repository is no
+// never a mount point (another puller's live mount) or a symlink, and the
+// config must be a regular file. A session dir whose repository is no
 // longer allowed (Options.CheckpointRepos) or whose ref no longer parses
 // is removed (its sandbox's checkpoint would fail anyway); every other
-// dir is left as it is.
+// dir, one whose config this version cannot read among them, is left as
+// it is.
 func (d *Daemon) adoptCheckpoints() {
 	points, err := puller.MountPointsUnder(d.mountsDir)
 	if err != nil {
@@ -382,17 +383,21 @@ func (d *Daemon) adoptCheckpoints() {
 		// session (a gofer mount's, another daemon's, a newer cryo's)
 		// is not this daemon's to judge.
 		var names struct {
+			MediaType  string `json:"mediaType"`
 			Checkpoint bool   `json:"checkpoint"`
 			Socket     string `json:"socket"`
 			Mount      string `json:"mount"`
 		}
-		if json.Unmarshal(data, &names) != nil || !names.Checkpoint || names.Socket != d.socket || names.Mount != name {
+		if json.Unmarshal(data, &names) != nil || names.MediaType != gofer.MediaType || !names.Checkpoint || names.Socket != d.socket || names.Mount != name {
 			continue
 		}
 		cfg, err := gofer.ReadConfig(bytes.NewReader(data))
-		if err == nil {
-			err = d.checkpointAllowed(cfg.Reference)
+		if err != nil {
+			// Perhaps a newer cryo's, with a key this one does not know.
+			d.log.Error("adopt checkpoint: left as it is", "dir", dir, "err", err)
+			continue
 		}
+		err = d.checkpointAllowed(cfg.Reference)
 		var t *checkpoint.Triggered
 		if err == nil {
 			t, err = d.checkpoint(context.Background(), CheckpointRequest{Ref: cfg.Reference, Filesystem: cfg.Filesystem, Adopted: true})
@@ -403,8 +408,9 @@ func (d *Daemon) adoptCheckpoints() {
 		}
 		if err != nil {
 			d.log.Error("adopt checkpoint: removed", "dir", dir, "err", err)
-			root.Remove(cfgPath)
-			root.Remove(name)
+			if rerr := errors.Join(root.Remove(cfgPath), root.Remove(name)); rerr != nil {
+				d.log.Error("adopt checkpoint: remove", "dir", dir, "err", rerr)
+			}
 			continue
 		}
 		e := &checkpointEntry{view: Checkpoint{ID: name, Ref: cfg.Reference, Dir: dir, Filesystem: cfg.Filesystem, Created: created}, t: t}
@@ -417,6 +423,10 @@ func (d *Daemon) adoptCheckpoints() {
 // readSmall reads the file at path in root, of at most limit bytes, and
 // returns it with its modification time.
 func readSmall(root *os.Root, path string, limit int) ([]byte, time.Time, error) {
+	// Not a symlink, nor a FIFO an open would block on.
+	if fi, err := root.Lstat(path); err != nil || !fi.Mode().IsRegular() {
+		return nil, time.Time{}, fmt.Errorf("%s: not a regular file (%v)", path, err)
+	}
 	f, err := root.Open(path)
 	if err != nil {
 		return nil, time.Time{}, err

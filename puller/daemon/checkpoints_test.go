@@ -470,7 +470,14 @@ func TestCheckpointRepos(t *testing.T) {
 			t.Errorf("checkpoint to %s: %d %s, want %d", ref, code, body, want)
 		}
 	}
-	if _, err := New(td.p, nil, Options{MountsDir: t.TempDir(), CheckpointRepos: []string{"no-slash"}}); err == nil {
-		t.Error("a checkpoint repository without a name was taken")
+	for _, bad := range []string{"no-slash", h + "/App", h + "/app:v1", h + "/app@sha256:" + strings.Repeat("0", 64), "/app"} {
+		if _, err := New(td.p, nil, Options{MountsDir: t.TempDir(), CheckpointRepos: []string{bad}}); err == nil {
+			t.Errorf("checkpoint repository %q was taken: it can match no reference", bad)
+		}
+	}
+	for _, good := range []string{h + "/", "reg.example.com:5000/a/b", "reg/a/"} {
+		if _, err := New(td.p, nil, Options{MountsDir: t.TempDir(), CheckpointRepos: []string{good}}); err != nil {
+			t.Errorf("checkpoint repository %q: %v", good, err)
+		}
 	}
 }

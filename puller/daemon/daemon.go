@@ -57,6 +57,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sys/unix"
+	"oras.land/oras-go/v2/registry"
 )
 
 // Resolver turns a reference into a snapshot source (endpoints in order)
@@ -146,8 +147,8 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 		opts.MaxMounts = DefaultMaxMounts
 	}
 	for _, r := range opts.CheckpointRepos {
-		if host, name, ok := strings.Cut(r, "/"); !ok || host == "" || strings.HasPrefix(name, "/") {
-			return nil, fmt.Errorf("daemon: checkpoint repository %q: want host/name, or host/prefix/ for every repository under it", r)
+		if err := validCheckpointRepo(r); err != nil {
+			return nil, fmt.Errorf("daemon: checkpoint repository %q: %w (want host[:port]/name, or host[:port]/prefix/ for every repository under it, host[:port]/ for all of the host's)", r, err)
 		}
 	}
 	if opts.Logger == nil {
@@ -179,6 +180,24 @@ func New(p *puller.Puller, resolve Resolver, opts Options) (*Daemon, error) {
 		return nil, err
 	}
 	return d, nil
+}
+
+// validCheckpointRepo checks an Options.CheckpointRepos entry: a registry
+// host and a repository name (or prefix, ending in "/", maybe empty) as
+// references spell them, so that it can match one.
+func validCheckpointRepo(r string) error {
+	host, name, ok := strings.Cut(r, "/")
+	if !ok {
+		return errors.New("no repository")
+	}
+	ref := registry.Reference{Registry: host, Repository: strings.TrimSuffix(name, "/")}
+	if err := ref.ValidateRegistry(); err != nil {
+		return err
+	}
+	if ref.Repository == "" && name == "" {
+		return nil // the whole host
+	}
+	return ref.ValidateRepository()
 }
 
 func registerAll(reg prometheus.Registerer, cs ...prometheus.Collector) error {
