@@ -1,16 +1,11 @@
 package daemon
 
 import (
-	"errors"
-	"time"
-
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
-	"github.com/cryo-oci/cryo/puller/gofer"
-	"github.com/cryo-oci/cryo/puller/profile"
-	"github.com/opencontainers/go-digest"
 	"io"
 	"log/slog"
 	"net"
@@ -23,6 +18,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/cryo-oci/cryo/format"
 	"github.com/cryo-oci/cryo/internal/synth"
@@ -30,8 +26,11 @@ import (
 	"github.com/cryo-oci/cryo/puller"
 	"github.com/cryo-oci/cryo/puller/checkpoint"
 	"github.com/cryo-oci/cryo/puller/fetch"
+	"github.com/cryo-oci/cryo/puller/gofer"
+	"github.com/cryo-oci/cryo/puller/profile"
 	"github.com/cryo-oci/cryo/registry"
 	"github.com/cryo-oci/cryo/transfer"
+	"github.com/opencontainers/go-digest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
 	"golang.org/x/sys/unix"
