@@ -166,11 +166,11 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	impl := &server{ctx: ctx, log: log, bufs: newBufPool(), image: image}
+	modeErr := checkMode(cfg, image)
 	switch {
-	case checkMode(cfg, image) != nil:
-		err := checkMode(cfg, image)
-		log.Error("mode", "err", err)
-		return err
+	case modeErr != nil:
+		log.Error("mode", "err", modeErr)
+		return modeErr
 	case image.writes():
 		c := gofer.NewClient(cfg.Socket, cfg.Mount, "", 0)
 		defer c.Close()

@@ -54,7 +54,8 @@ type Triggered struct {
 	tag    string
 	want   []string
 	sink   *countingSink
-	// ctx bounds the finish; Close cancels it.
+	// ctx bounds the packing and the finish; the checkpoint's end (and
+	// Close) cancels it.
 	ctx    context.Context
 	cancel context.CancelFunc
 	done   chan struct{}

@@ -292,6 +292,8 @@ func (d *Daemon) endCheckpoint(ctx context.Context, e *checkpointEntry) {
 	d.log.Info("checkpoint deleted", "id", e.view.ID, "ref", e.view.Ref, "state", e.t.Status().State)
 }
 
+// removeImageDir removes an image dir cryo made (a mount point, or a dir
+// holding only its gcs_opts.json), nothing else.
 func removeImageDir(dir string) {
 	os.Remove(filepath.Join(dir, gofer.ConfigFile))
 	os.Remove(dir)
@@ -423,23 +425,23 @@ func (d *Daemon) adoptCheckpoints() {
 // readSmall reads the file at path in root, of at most limit bytes, and
 // returns it with its modification time.
 func readSmall(root *os.Root, path string, limit int) ([]byte, time.Time, error) {
-	// Not a symlink, nor a FIFO an open would block on.
-	if fi, err := root.Lstat(path); err != nil || !fi.Mode().IsRegular() {
-		return nil, time.Time{}, fmt.Errorf("%s: not a regular file (%v)", path, err)
-	}
-	f, err := root.Open(path)
-	if err != nil {
-		return nil, time.Time{}, err
-	}
-	defer f.Close()
-	fi, err := f.Stat()
+	// Lstat first: not a symlink, nor a FIFO an open would block on.
+	fi, err := root.Lstat(path)
 	if err != nil {
 		return nil, time.Time{}, err
 	}
 	if !fi.Mode().IsRegular() || fi.Size() > int64(limit) {
 		return nil, time.Time{}, fmt.Errorf("%s: not a regular file of at most %d bytes", path, limit)
 	}
+	f, err := root.Open(path)
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	defer f.Close()
 	data, err := io.ReadAll(io.LimitReader(f, int64(limit)+1))
+	if err == nil && len(data) > limit {
+		err = fmt.Errorf("%s: over %d bytes", path, limit)
+	}
 	return data, fi.ModTime(), err
 }
 

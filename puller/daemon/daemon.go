@@ -24,7 +24,8 @@
 //	                             (the gofer's file API, package gofer)
 //	GET    /metrics              Prometheus metrics
 //
-// and checkpoints the workload triggers (checkpoints.go). A Mount's "dir" is an image dir for runsc restore --image-path.
+// and the checkpoints the workload triggers (checkpoints.go). A Mount's
+// "dir" is an image dir for runsc restore --image-path.
 //
 // Whoever can connect to the socket can mount any snapshot the puller's
 // credentials reach and read it: Listen makes the socket 0600 (root's), or
@@ -423,8 +424,7 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 		m, err = d.p.MountWith(r.Context(), src, dir, puller.MountOptions{RecordSweepRate: holdRate})
 	}
 	if err != nil {
-		os.Remove(filepath.Join(dir, gofer.ConfigFile))
-		os.Remove(dir)
+		removeImageDir(dir)
 		d.log.Error("mount", "ref", req.Ref, "err", err)
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
@@ -432,8 +432,7 @@ func (d *Daemon) create(w http.ResponseWriter, r *http.Request) {
 	e := &entry{id: id, ref: req.Ref, m: m, created: time.Now()}
 	if !done(e) {
 		m.Unmount()
-		os.Remove(filepath.Join(dir, gofer.ConfigFile))
-		os.Remove(dir)
+		removeImageDir(dir)
 		httpError(w, http.StatusServiceUnavailable, "the puller is shutting down")
 		return
 	}
@@ -527,8 +526,7 @@ func (d *Daemon) delete(w http.ResponseWriter, r *http.Request) {
 		httpError(w, http.StatusInternalServerError, err.Error())
 		return
 	}
-	os.Remove(filepath.Join(e.m.Dir(), gofer.ConfigFile))
-	os.Remove(e.m.Dir())
+	removeImageDir(e.m.Dir())
 	d.log.Info("unmounted", "id", e.id, "ref", e.ref)
 	w.WriteHeader(http.StatusNoContent)
 }
