@@ -187,6 +187,8 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		impl.src, impl.allowReads = src, true
+		rtt := impl.sizeReads(src)
+		log.Info("link", "round trip", rtt, "pages.img max read", impl.pagesRead)
 	}
 
 	sock, err := unet.NewSocket(f.sockFD)

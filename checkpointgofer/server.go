@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/cryo-oci/cryo/puller/fetch"
@@ -36,6 +37,38 @@ const (
 	maxParallel = 16
 )
 
+// Where the registry is far the gofer offers smaller reads of pages.img.
+// The sentry fixes the read size when it opens the file (before any of
+// it is fetched) and admits a page fault's reads only as its reads in
+// flight complete; over a far link each read completes only once its
+// bytes have crossed, 80 ms for 1 MiB at 100 Mbit/s. So where the mount's
+// round trip (gofer.LinkReporter) is farRoundTrip or more, reads of
+// pages.img are at most farReadBytes, the size of gVisor's own reads of a
+// local image. On loopback and a near registry 1 MiB reads load the whole
+// image sooner than small ones on the same cores (docs/benchmarks.md:
+// 256 KiB reads made a 1 GiB load on loopback 18% longer, and on
+// 100 Mbit/s + 25 ms let a 256 MiB app run again 1.1 s sooner). The
+// round trip is what a mount knows before the sentry opens pages.img:
+// its small files are a few fetches of a few KiB, which say nothing of
+// the link's rate. It is measured from request to verified bytes, so a
+// near registry measures a few ms (loopback on a busy machine 2-5 ms, a
+// 5 ms link 9-14 ms), another region's 20 ms and more. A slow link with
+// a short round trip is not told apart from a fast one.
+const (
+	farRoundTrip = 20 * time.Millisecond
+	farReadBytes = 256 << 10
+)
+
+// pagesReadBytes is the read size the gofer offers the sentry for
+// pages.img, given the round trip its source measured (0 if it measured
+// none: then maxIOBytes).
+func pagesReadBytes(rtt time.Duration) uint64 {
+	if rtt >= farRoundTrip {
+		return farReadBytes
+	}
+	return maxIOBytes
+}
+
 // server implements stateipc.AsyncFileServerImpl: reads from a
 // gofer.Source (a restore), or writes to a cryo process's upload API (a
 // checkpoint).
@@ -52,11 +85,26 @@ type server struct {
 	sizes   map[string]int64
 	uploads *gofer.Client
 
+	// pagesRead is the read size offered for pages.img (pagesReadBytes;
+	// 0: maxIOBytes).
+	pagesRead uint64
+
 	reads, faults, served, written atomic.Int64
 	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
 	noPopulate atomic.Bool
 	// bufs are the buffers of reads written into destFiles.
 	bufs *bufPool
+}
+
+// sizeReads sets the read size of pages.img from the round trip src
+// says (pagesReadBytes) and returns that round trip (0: src says none).
+func (s *server) sizeReads(src gofer.Source) time.Duration {
+	var rtt time.Duration
+	if lr, ok := src.(gofer.LinkReporter); ok {
+		rtt = lr.LinkRoundTrip()
+	}
+	s.pagesRead = pagesReadBytes(rtt)
+	return rtt
 }
 
 // Destroy implements stateipc.AsyncFileServerImpl.Destroy.
@@ -79,11 +127,14 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 		return nil, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 	}
 	ctx, cancel := context.WithCancel(s.ctx)
-	r := &reader{s: s, path: path, size: size, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
+	r := &reader{s: s, path: path, size: size, maxRead: maxIOBytes, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
 	if path == "pages.img" {
 		r.classify = &profile.Classifier{}
+		if s.pagesRead > 0 {
+			r.maxRead = s.pagesRead
+		}
 	}
-	s.log.Info("open", "path", path, "size", size)
+	s.log.Info("open", "path", path, "size", size, "max read", r.maxRead)
 	return r, nil
 }
 
@@ -119,6 +170,7 @@ type reader struct {
 	s        *server
 	path     string
 	size     int64
+	maxRead  uint64
 	classify *profile.Classifier
 
 	ctx    context.Context
@@ -136,11 +188,11 @@ type reader struct {
 var _ stateio.AsyncReader = (*reader)(nil)
 
 // MaxReadBytes implements stateio.AsyncReader.MaxReadBytes.
-func (r *reader) MaxReadBytes() uint64 { return maxIOBytes }
+func (r *reader) MaxReadBytes() uint64 { return r.maxRead }
 
 // MaxRanges implements stateio.AsyncReader.MaxRanges: one range per page
 // of a read, as gVisor's own pages file reader offers.
-func (r *reader) MaxRanges() int { return maxIOBytes / unix.Getpagesize() }
+func (r *reader) MaxRanges() int { return int(r.maxRead) / unix.Getpagesize() }
 
 // MaxParallel implements stateio.AsyncReader.MaxParallel.
 func (r *reader) MaxParallel() int { return maxParallel }

@@ -1198,6 +1198,16 @@ func (m *Mount) Place(ctx context.Context, path string, off, n int64, prio fetch
 	return in, true
 }
 
+// LinkRoundTrip is the load's round trip to its endpoints
+// (fetch.Scheduler.RoundTrip), 0 before any fetch was measured or without
+// a load (a materialized snapshot): what gofer.LinkReporter asks.
+func (m *Mount) LinkRoundTrip() time.Duration {
+	if m.l == nil || m.l.sched == nil {
+		return 0
+	}
+	return m.l.sched.RoundTrip()
+}
+
 // FileSize returns the size of the snapshot's file path.
 func (m *Mount) FileSize(path string) (int64, bool) {
 	i, ok := m.fileIndex(path)

@@ -21,6 +21,10 @@ type link struct {
 	// peak is the highest rate measured: what the link can carry, at
 	// least, whatever its fetches deliver now.
 	peak float64
+	// shortest is the shortest fetch of all: an upper bound of the round
+	// trip, known from a load's first fetch (the small files fetched
+	// before a mount is ready), long before rate is.
+	shortest time.Duration
 	// The window: bytes done and the shortest fetch since windowStart.
 	windowStart time.Time
 	windowBytes int64
@@ -41,6 +45,9 @@ func (l *link) done(n int64, took time.Duration, now time.Time) {
 	}
 	if l.minTook == 0 {
 		l.minTook = took
+	}
+	if l.shortest == 0 || took < l.shortest {
+		l.shortest = took
 	}
 	if l.windowMin == 0 || took < l.windowMin {
 		l.windowMin = took

@@ -457,3 +457,20 @@ func activeIs(s *Scheduler, p Priority, n int) func() bool {
 		return s.active[p] == n
 	}
 }
+
+// TestLinkRoundTrip: the round trip is the shortest fetch of all, of any
+// size; runs that never crossed the link say nothing.
+func TestLinkRoundTrip(t *testing.T) {
+	var l link
+	now := time.Unix(0, 0)
+	if l.shortest != 0 {
+		t.Fatalf("unmeasured: %v, want 0", l.shortest)
+	}
+	l.done(4<<20, 80*time.Millisecond, now)
+	l.done(600, 27*time.Millisecond, now)
+	l.done(1<<20, 40*time.Millisecond, now)
+	l.done(1<<20, 10*time.Microsecond, now) // a cache hit
+	if l.shortest != 27*time.Millisecond {
+		t.Errorf("round trip %v, want 27ms (the shortest fetch)", l.shortest)
+	}
+}

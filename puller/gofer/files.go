@@ -41,10 +41,15 @@ import (
 // reads them from that file itself: one copy of each byte, not three (the
 // server's read, its socket write, the client's socket read). Only a
 // client that may open the node store's files (root, on the node) asks.
+//
+// A HEAD answer carries in RoundTripHeader how near the mount's registry
+// is (LinkReporter), for the gofer to choose the size of the reads it
+// offers the sentry.
 const (
-	SnapshotHeader = "Cryo-Snapshot"
-	PriorityHeader = "Cryo-Priority"
-	PlaceHeader    = "Cryo-Place"
+	SnapshotHeader  = "Cryo-Snapshot"
+	PriorityHeader  = "Cryo-Priority"
+	PlaceHeader     = "Cryo-Place"
+	RoundTripHeader = "Cryo-Round-Trip"
 )
 
 // MaxRange bounds the bytes one GET asks for: what the server holds in
@@ -74,6 +79,14 @@ type Files interface {
 // counts as nothing.
 type Placer interface {
 	Place(ctx context.Context, path string, off, n int64, prio fetch.Priority) (in cache.InPlace, ok bool)
+}
+
+// LinkReporter is implemented by Files and Sources that know how near
+// the snapshot's registry is (puller.Mount does): LinkRoundTrip is the
+// shortest time one of the mount's fetches took, an upper bound of the
+// round trip (fetch.Scheduler.RoundTrip); 0 before any was measured.
+type LinkReporter interface {
+	LinkRoundTrip() time.Duration
 }
 
 // Lookup finds the files of a mount by id, and the mount's index digest.
@@ -160,6 +173,11 @@ func serveFile(w http.ResponseWriter, r *http.Request, lookup Lookup, bufs *sync
 		return
 	}
 	if r.Method == http.MethodHead {
+		if lr, ok := files.(LinkReporter); ok {
+			if rtt := lr.LinkRoundTrip().Microseconds(); rtt > 0 {
+				w.Header().Set(RoundTripHeader, strconv.FormatInt(rtt, 10))
+			}
+		}
 		w.Header().Set("Content-Length", strconv.FormatInt(size, 10))
 		w.WriteHeader(http.StatusOK)
 		return
@@ -252,6 +270,8 @@ type Client struct {
 
 	mu    sync.Mutex
 	sizes map[string]int64
+	// rtt is the RoundTripHeader of the latest HEAD answer that had one.
+	rtt time.Duration
 	// places are the node store's files opened for in-place answers, by
 	// device and inode.
 	places map[[2]uint64]*os.File
@@ -262,6 +282,15 @@ type Client struct {
 	placeFailures atomic.Int64
 	noPlace       atomic.Bool
 	closed        bool
+}
+
+// LinkRoundTrip implements LinkReporter: the round trip the server gave
+// in the latest answer to Size that had one, 0 if none did (a server that
+// measured nothing yet, or one that does not say).
+func (c *Client) LinkRoundTrip() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.rtt
 }
 
 // PlacedBytes returns how many bytes ReadAt read in place (InPlace).
@@ -344,6 +373,11 @@ func (c *Client) Size(ctx context.Context, path string) (int64, error) {
 			return resp.StatusCode >= 500 && !errors.Is(err, ErrOtherSnapshot), err
 		}
 		size = resp.ContentLength
+		if us, err := strconv.ParseInt(resp.Header.Get(RoundTripHeader), 10, 64); err == nil && us > 0 && us < int64(time.Hour/time.Microsecond) {
+			c.mu.Lock()
+			c.rtt = time.Duration(us) * time.Microsecond
+			c.mu.Unlock()
+		}
 		return false, nil
 	})
 	if err != nil {
@@ -413,14 +447,25 @@ type Source interface {
 }
 
 var (
-	_ Source = (*Client)(nil)
-	_ Source = local{}
+	_ Source       = (*Client)(nil)
+	_ Source       = local{}
+	_ LinkReporter = (*Client)(nil)
+	_ LinkReporter = local{}
 )
 
 // Local returns the Source of files in this process.
 func Local(f Files) Source { return local{f} }
 
 type local struct{ f Files }
+
+// LinkRoundTrip implements LinkReporter with the files' own, if they
+// know it.
+func (l local) LinkRoundTrip() time.Duration {
+	if lr, ok := l.f.(LinkReporter); ok {
+		return lr.LinkRoundTrip()
+	}
+	return 0
+}
 
 func (l local) Size(ctx context.Context, path string) (int64, error) {
 	if n, ok := l.f.FileSize(path); ok {
