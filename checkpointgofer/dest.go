@@ -170,8 +170,9 @@ func pwriteFull(fd int, b []byte, off int64) error {
 }
 
 // bufPool holds the buffers of reads written into destFiles. The sentry
-// keeps at most maxParallel reads in flight per file (pages.img), fewer
-// for checkpoint.img and pages_meta.img; the pool lends at most
+// keeps at most farParallel reads in flight per file (pages.img, when
+// the registry is far; maxParallel else and for the other files); the
+// pool lends at most
 // maxBuffers at once, a read waiting for one past that, and keeps at most
 // maxBuffers between reads, so the gofer's memory (charged to the
 // sandbox's cgroup) is bounded. A read holds one buffer and never asks

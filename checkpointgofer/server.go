@@ -29,7 +29,8 @@ import (
 // busy; more only lengthens the time a sweep read spends queued, and a
 // page fault on a page whose sweep read has started waits for that read
 // (gVisor issues no priority read for it): with 48 in flight on a 100
-// Mbit/s link, such a fault waited seconds. The bytes land in the
+// Mbit/s link, such a fault waited seconds (48 MiB; where the registry is
+// far, reads are smaller and more, below). The bytes land in the
 // sandbox's memory file, written with pwrite from a buffer per read in
 // flight (destFile), or through the stateipc server's mapping of it.
 const (
@@ -37,36 +38,40 @@ const (
 	maxParallel = 16
 )
 
-// Where the registry is far the gofer offers smaller reads of pages.img.
-// The sentry fixes the read size when it opens the file (before any of
-// it is fetched) and admits a page fault's reads only as its reads in
-// flight complete; over a far link each read completes only once its
-// bytes have crossed, 80 ms for 1 MiB at 100 Mbit/s. So where the mount's
-// round trip (gofer.LinkReporter) is farRoundTrip or more, reads of
-// pages.img are at most farReadBytes, the size of gVisor's own reads of a
-// local image. On loopback and a near registry 1 MiB reads load the whole
-// image sooner than small ones on the same cores (docs/benchmarks.md:
-// 256 KiB reads made a 1 GiB load on loopback 18% longer, and on
-// 100 Mbit/s + 25 ms let a 256 MiB app run again 1.1 s sooner). The
-// round trip is what a mount knows before the sentry opens pages.img:
-// its small files are a few fetches of a few KiB, which say nothing of
-// the link's rate. It is measured from request to verified bytes, so a
-// near registry measures a few ms (loopback on a busy machine 2-5 ms, a
-// 5 ms link 9-14 ms), another region's 20 ms and more. A slow link with
-// a short round trip is not told apart from a fast one.
+// Where the registry is far the gofer offers smaller reads of pages.img,
+// more of them at once. The sentry fixes the read size when it opens the
+// file (before any of it is fetched) and admits a page fault's reads only
+// as its reads in flight complete; over a far link each read completes
+// only once its bytes have crossed, 80 ms for 1 MiB at 100 Mbit/s. So
+// where the mount's round trip (gofer.LinkReporter) is farRoundTrip or
+// more, reads of pages.img are at most farReadBytes, the size of gVisor's
+// own reads of a local image, farParallel at a time: 8 MiB in flight,
+// against 16 MiB of 1 MiB reads. (16 reads of 256 KiB no longer kept a
+// 1 Gbit/s + 5 ms link full: a 1 GiB load took 10.1 s against 9.1 s.) On
+// loopback and a near registry 1 MiB reads load the whole image sooner on
+// the same cores: 256 KiB reads made a 1 GiB load on loopback 18% longer.
+// On 100 Mbit/s + 25 ms a 256 MiB app ran again after 1.2 s against 3.9 s
+// (medians, docs/benchmarks.md). The round trip is what a mount knows
+// before the sentry opens pages.img: its small files are a few fetches of
+// a few KiB, which say nothing of the link's rate. It is measured from
+// request to verified bytes, a registry's own time included: loopback on
+// a busy machine measured 2.3-4.8 ms, a link of 5 ms 7.5-13.7 ms. A slow
+// link with a short round trip is not told apart from a fast one.
 const (
-	farRoundTrip = 20 * time.Millisecond
+	farRoundTrip = 6 * time.Millisecond
 	farReadBytes = 256 << 10
+	farParallel  = 2 * maxParallel
 )
 
-// pagesReadBytes is the read size the gofer offers the sentry for
-// pages.img, given the round trip its source measured (0 if it measured
-// none: then maxIOBytes).
-func pagesReadBytes(rtt time.Duration) uint64 {
+// pagesReads is the read size and parallelism the gofer offers the
+// sentry for pages.img, given the round trip its source measured (0 if
+// it measured none: then maxIOBytes and maxParallel, as for the other
+// files).
+func pagesReads(rtt time.Duration) (size uint64, parallel int) {
 	if rtt >= farRoundTrip {
-		return farReadBytes
+		return farReadBytes, farParallel
 	}
-	return maxIOBytes
+	return maxIOBytes, maxParallel
 }
 
 // server implements stateipc.AsyncFileServerImpl: reads from a
@@ -85,9 +90,10 @@ type server struct {
 	sizes   map[string]int64
 	uploads *gofer.Client
 
-	// pagesRead is the read size offered for pages.img (pagesReadBytes;
-	// 0: maxIOBytes).
-	pagesRead uint64
+	// pagesRead and pagesParallel are the read size and parallelism
+	// offered for pages.img (pagesReads; 0: maxIOBytes, maxParallel).
+	pagesRead     uint64
+	pagesParallel int
 
 	reads, faults, served, written atomic.Int64
 	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
@@ -96,14 +102,14 @@ type server struct {
 	bufs *bufPool
 }
 
-// sizeReads sets the read size of pages.img from the round trip src
-// says (pagesReadBytes) and returns that round trip (0: src says none).
+// sizeReads sets the reads of pages.img from the round trip src says
+// (pagesReads) and returns that round trip (0: src says none).
 func (s *server) sizeReads(src gofer.Source) time.Duration {
 	var rtt time.Duration
 	if lr, ok := src.(gofer.LinkReporter); ok {
 		rtt = lr.LinkRoundTrip()
 	}
-	s.pagesRead = pagesReadBytes(rtt)
+	s.pagesRead, s.pagesParallel = pagesReads(rtt)
 	return rtt
 }
 
@@ -126,15 +132,16 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 		s.log.Info("open", "path", path, "err", "not in the snapshot")
 		return nil, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 	}
+	maxRead, parallel := uint64(maxIOBytes), maxParallel
+	if path == "pages.img" && s.pagesRead > 0 {
+		maxRead, parallel = s.pagesRead, s.pagesParallel
+	}
 	ctx, cancel := context.WithCancel(s.ctx)
-	r := &reader{s: s, path: path, size: size, maxRead: maxIOBytes, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, maxParallel)}
+	r := &reader{s: s, path: path, size: size, maxRead: maxRead, parallel: parallel, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, parallel)}
 	if path == "pages.img" {
 		r.classify = &profile.Classifier{}
-		if s.pagesRead > 0 {
-			r.maxRead = s.pagesRead
-		}
 	}
-	s.log.Info("open", "path", path, "size", size, "max read", r.maxRead)
+	s.log.Info("open", "path", path, "size", size, "max read", maxRead, "parallel", parallel)
 	return r, nil
 }
 
@@ -171,6 +178,7 @@ type reader struct {
 	path     string
 	size     int64
 	maxRead  uint64
+	parallel int
 	classify *profile.Classifier
 
 	ctx    context.Context
@@ -195,7 +203,7 @@ func (r *reader) MaxReadBytes() uint64 { return r.maxRead }
 func (r *reader) MaxRanges() int { return int(r.maxRead) / unix.Getpagesize() }
 
 // MaxParallel implements stateio.AsyncReader.MaxParallel.
-func (r *reader) MaxParallel() int { return maxParallel }
+func (r *reader) MaxParallel() int { return r.parallel }
 
 // AddRead implements stateio.AsyncReader.AddRead.
 func (r *reader) AddRead(id int, off int64, df stateio.DestinationFile, fr memmap.FileRange, dst []byte) {

@@ -70,9 +70,9 @@ func BenchmarkProfile(b *testing.B) {
 			for _, link := range links {
 				addr := reg.Addr
 				reps := *repsFlag
-				var proxy *Proxy
+				var proxy *testenv.Proxy
 				if link.BitsPerSecond > 0 || link.RTT > 0 {
-					p, err := StartProxy(reg.Addr, link)
+					p, err := testenv.StartProxy(reg.Addr, link)
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -195,7 +195,7 @@ func BenchmarkProfile(b *testing.B) {
 	reportProfile(hotSets, sizes, links, res, ws)
 }
 
-func reportProfile(hotSets []string, sizes []int, links []Link, res map[string][]profSample, ws map[string]int64) {
+func reportProfile(hotSets []string, sizes []int, links []testenv.Link, res map[string][]profSample, ws map[string]int64) {
 	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Profile -benchtime 1x -hotsets %s -sizes %s -reps %d -shaped-reps %d -links %s -registry-root '%s'` — GOMAXPROCS=%d, %s, %s\n\n",
 		*hotSetsFlag, *sizesFlag, *repsFlag, *shapedRep, *linksFlag, *regRoot, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	fmt.Println("| hot set | app memory | link | working set | local cold (s) | oras pull + restore (s) | cryo, no profile (s) | cryo, profile (s) | profile / local (target ≤ 1.2 or +0.1 s) | shaped target (s) | moved before the answer, no profile / profile (MiB) | moved / working set (target ≤ 1.3) |")

@@ -67,7 +67,7 @@ func BenchmarkReady(b *testing.B) {
 	}
 }
 
-func linkNames(links []Link, prefix string) []string {
+func linkNames(links []testenv.Link, prefix string) []string {
 	var out []string
 	for _, l := range links {
 		out = append(out, prefix+l.Name)
@@ -141,10 +141,10 @@ var readyLine = regexp.MustCompile(`^ready: .*, ([0-9.]+) ms\)`)
 // over link) on an empty node cache and returns the seconds it reports
 // until ready, and the seconds a 4 KiB read of the middle of its pages.img
 // (of size bytes) then takes; the mount is then stopped.
-func mountReady(b *testing.B, cryo, addr, repo string, size int64, l Link) (float64, float64) {
+func mountReady(b *testing.B, cryo, addr, repo string, size int64, l testenv.Link) (float64, float64) {
 	target := addr
 	if l.BitsPerSecond > 0 || l.RTT > 0 {
-		px, err := StartProxy(addr, l)
+		px, err := testenv.StartProxy(addr, l)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -99,7 +99,7 @@ func BenchmarkRestore(b *testing.B) {
 			addr := reg.Addr
 			reps := *repsFlag
 			if link.BitsPerSecond > 0 || link.RTT > 0 {
-				p, err := StartProxy(reg.Addr, link)
+				p, err := testenv.StartProxy(reg.Addr, link)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -224,7 +224,7 @@ func BenchmarkRestore(b *testing.B) {
 // setup starts the registry the benchmark pushes to (its storage under
 // -registry-root if set, removed at the end) and parses -sizes and
 // -links.
-func setup(b *testing.B) (*testenv.Registry, []int, []Link) {
+func setup(b *testing.B) (*testenv.Registry, []int, []testenv.Link) {
 	root := *regRoot
 	if root != "" {
 		var err error
@@ -256,16 +256,16 @@ func pushBoth(b *testing.B, cryo, oras, img, addr, tag string, cryoFlags ...stri
 	}
 }
 
-func parseLinks(b *testing.B, s string) []Link {
-	var out []Link
+func parseLinks(b *testing.B, s string) []testenv.Link {
+	var out []testenv.Link
 	for _, name := range strings.Split(s, ",") {
 		switch name = strings.TrimSpace(name); name {
 		case "loopback":
-			out = append(out, Link{Name: name})
+			out = append(out, testenv.Link{Name: name})
 		case "1gbit-5ms":
-			out = append(out, Link{Name: name, BitsPerSecond: 1e9, RTT: 5 * time.Millisecond})
+			out = append(out, testenv.Link{Name: name, BitsPerSecond: 1e9, RTT: 5 * time.Millisecond})
 		case "100mbit-25ms":
-			out = append(out, Link{Name: name, BitsPerSecond: 1e8, RTT: 25 * time.Millisecond})
+			out = append(out, testenv.Link{Name: name, BitsPerSecond: 1e8, RTT: 25 * time.Millisecond})
 		default:
 			b.Fatalf("unknown link %q", name)
 		}
@@ -353,7 +353,7 @@ func running(s sample) float64 { return s.running }
 func loaded(s sample) float64  { return s.loaded }
 func stored(s sample) float64  { return s.stored }
 
-func report(sizes []int, links []Link, res map[string][]sample) {
+func report(sizes []int, links []testenv.Link, res map[string][]sample) {
 	fmt.Printf("\n`go test ./bench/restore -run '^$' -bench Restore -benchtime 1x -sizes %s -reps %d -shaped-reps %d -links %s -registry-root '%s'` — GOMAXPROCS=%d, %s, %s\n\n",
 		*sizesFlag, *repsFlag, *shapedRep, *linksFlag, *regRoot, runtime.GOMAXPROCS(0), runtime.Version(), time.Now().UTC().Format("2006-01-02 15:04 UTC"))
 	fmt.Println("| app memory | link | path | app running again (s) | fully loaded (s) | bytes from the registry | blob requests | registry CPU (s) | cryo's peak RSS | cryo's disk writes per restored byte |")

@@ -57,7 +57,7 @@ const (
 const MaxRange = 16 << 20
 
 // MaxRequestsPerMount bounds the GETs of one mount served at once (a
-// gofer makes 16); more wait for a turn. With MaxRange it bounds the
+// gofer makes at most 32); more wait for a turn. With MaxRange it bounds the
 // memory one mount's readers can make the server hold.
 const MaxRequestsPerMount = 32
 

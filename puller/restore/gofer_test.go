@@ -103,6 +103,39 @@ func TestRestoreThroughGofer(t *testing.T) {
 	t.Logf("ready %v, restored %v, pages loaded %v, materialized %v", res.Ready, res.Restored, res.PagesLoaded, res.Materialized)
 }
 
+// TestRestoreThroughGoferFromAfar restores through the gofer from a
+// registry 30 ms away (a delaying proxy): the gofer is told the round
+// trip and offers the sentry reads of pages.img of 256 KiB, 32 at a
+// time, and the app goes on with its memory hash unchanged.
+func TestRestoreThroughGoferFromAfar(t *testing.T) {
+	e := newEnv(t)
+	goferDir := gvisortest.GoferDir(t)
+	app, last, ref, _ := e.checkpointedApp(t, 32, "far")
+	far, err := testenv.StartProxy(e.reg.Addr, testenv.Link{Name: "far", RTT: 30 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(far.Close)
+	var log fetchLog
+	src := resolve(t, strings.Replace(ref, e.reg.Addr, far.Addr(), 1), &log)
+	p := e.newPuller(t)
+	var events []restore.Event
+	opts := goferOptions(e, app, goferDir, &events)
+	opts.GoferLog = filepath.Join(t.TempDir(), "gofer.log")
+	opts.Stdout, opts.Stderr = containerOutput(t, app)
+	res := e.restoreApp(t, p, src, opts, app, last)
+	goferLog, _ := os.ReadFile(opts.GoferLog)
+	t.Logf("ready %v, restored %v, pages loaded %v, materialized %v", res.Ready, res.Restored, res.PagesLoaded, res.Materialized)
+	if res.Mode != "gofer" {
+		t.Errorf("mode %q, want gofer", res.Mode)
+	}
+	for _, want := range []string{`"pages.img max read"=262144 parallel=32`, `path=pages.img`, `"max read"=262144 parallel=32`} {
+		if !strings.Contains(string(goferLog), want) {
+			t.Errorf("the gofer's log has no %s: it did not read pages.img in 256 KiB pieces, 32 at a time, from a registry 30 ms away\n%s", want, goferLog)
+		}
+	}
+}
+
 // TestGoferRestoreFailsOverCorruptChunk restores through the gofer from
 // two registries holding the same snapshot, the first (tried first)
 // serving a corrupt copy of one pages.img chunk: the chunk fails

@@ -1,7 +1,4 @@
-// Package restore is the end-to-end restore benchmark (make bench-restore):
-// real gVisor sandboxes restored from a local image dir, from an `oras pull`
-// of the whole image, and through cryo, on loopback and on shaped links.
-package restore
+package testenv
 
 import (
 	"context"
@@ -36,6 +33,9 @@ type Proxy struct {
 	wg       sync.WaitGroup
 	ctx      context.Context
 	cancel   context.CancelFunc
+	// conns are the connections open, both sides, closed by Close.
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
 	// delivered counts the bytes delivered from upstream to clients.
 	delivered atomic.Int64
 }
@@ -51,7 +51,7 @@ func StartProxy(upstream string, link Link) (*Proxy, error) {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &Proxy{ln: ln, upstream: upstream, link: link, ctx: ctx, cancel: cancel}
+	p := &Proxy{ln: ln, upstream: upstream, link: link, ctx: ctx, cancel: cancel, conns: map[net.Conn]struct{}{}}
 	if link.BitsPerSecond > 0 {
 		bps := float64(link.BitsPerSecond) / 8
 		burst := 64 << 10
@@ -66,11 +66,34 @@ func StartProxy(upstream string, link Link) (*Proxy, error) {
 // Addr is the proxy's host:port.
 func (p *Proxy) Addr() string { return p.ln.Addr().String() }
 
-// Close stops the proxy and its connections.
+// Close stops the proxy and closes its connections, idle ones included.
 func (p *Proxy) Close() {
 	p.cancel()
 	p.ln.Close()
+	p.mu.Lock()
+	for c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
 	p.wg.Wait()
+}
+
+// track adds c to the connections Close closes, or closes it if the
+// proxy is closed already.
+func (p *Proxy) track(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ctx.Err() != nil {
+		c.Close()
+		return
+	}
+	p.conns[c] = struct{}{}
+}
+
+func (p *Proxy) untrack(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.conns, c)
 }
 
 func (p *Proxy) accept() {
@@ -85,6 +108,8 @@ func (p *Proxy) accept() {
 			c.Close()
 			continue
 		}
+		p.track(c)
+		p.track(u)
 		p.wg.Add(2)
 		go p.pipe(u, c, p.up, nil)
 		go p.pipe(c, u, p.down, &p.delivered)
@@ -114,7 +139,9 @@ func (p *Proxy) pipe(dst, src net.Conn, lim *rate.Limiter, count *atomic.Int64) 
 			}
 		}
 	}()
+	defer p.untrack(dst)
 	defer dst.Close()
+	defer p.untrack(src)
 	defer src.Close()
 	for s := range q {
 		if d := time.Until(s.at); d > 0 {
