@@ -120,12 +120,11 @@ func (r *reader) closeDests() {
 // (clipped at the end of the file, n bytes in all). If a write fails, the
 // rest is copied through maps, and so are d's later reads.
 func (r *reader) readThrough(d *destFile, frs []memmap.FileRange, maps [][]byte, n int, off int64, prio fetch.Priority) error {
-	buf, err := r.s.bufs.get(r.ctx)
+	b, err := r.s.bufs.get(r.ctx, n)
 	if err != nil {
 		return err
 	}
-	defer r.s.bufs.put(buf)
-	b := buf[:n]
+	defer r.s.bufs.put(b)
 	if err := r.s.src.ReadAt(r.ctx, r.path, [][]byte{b}, off, prio); err != nil {
 		return err
 	}
@@ -170,28 +169,30 @@ func pwriteFull(fd int, b []byte, off int64) error {
 }
 
 // bufPool holds the buffers of reads written into destFiles. The sentry
-// keeps at most farParallel reads in flight per file (pages.img, when
-// the registry is far; maxParallel else and for the other files); the
-// pool lends at most
-// maxBuffers at once, a read waiting for one past that, and keeps at most
+// keeps at most maxParallel reads in flight per file, or farParallel of
+// pages.img when the registry is far (pagesReads), and reads the other
+// files while pages.img loads; the pool lends at most maxBuffers at once,
+// one per read, a read waiting for one past that, and keeps at most
 // maxBuffers between reads, so the gofer's memory (charged to the
-// sandbox's cgroup) is bounded. A read holds one buffer and never asks
-// for a second, so the wait cannot deadlock.
+// sandbox's cgroup) is bounded: at most maxBuffers buffers of at most
+// maxIOBytes, 48 MiB. A read holds one buffer and never asks for a
+// second, so the wait cannot deadlock.
 type bufPool struct {
 	free  chan []byte
 	slots chan struct{}
 }
 
-// maxBuffers bounds the buffers a gofer lends at once: 32 MiB.
-const maxBuffers = 2 * maxParallel
+// maxBuffers bounds the buffers a gofer lends at once: one per read the
+// sentry may have in flight of pages.img and of another file.
+const maxBuffers = farParallel + maxParallel
 
 func newBufPool() *bufPool {
 	return &bufPool{free: make(chan []byte, maxBuffers), slots: make(chan struct{}, maxBuffers)}
 }
 
-// get lends a buffer of maxIOBytes, waiting for one while maxBuffers are
-// lent, until ctx ends.
-func (p *bufPool) get(ctx context.Context) ([]byte, error) {
+// get lends a buffer of n bytes (at most maxIOBytes), waiting for one
+// while maxBuffers are lent, until ctx ends.
+func (p *bufPool) get(ctx context.Context, n int) ([]byte, error) {
 	select {
 	case p.slots <- struct{}{}:
 	case <-ctx.Done():
@@ -199,10 +200,12 @@ func (p *bufPool) get(ctx context.Context) ([]byte, error) {
 	}
 	select {
 	case b := <-p.free:
-		return b, nil
+		if cap(b) >= n {
+			return b[:n], nil
+		}
 	default:
-		return make([]byte, maxIOBytes), nil
 	}
+	return make([]byte, n), nil
 }
 
 // put returns a buffer lent by get.

@@ -188,7 +188,7 @@ func run(ctx context.Context, args []string) error {
 		}
 		impl.src, impl.allowReads = src, true
 		rtt := impl.sizeReads(src)
-		log.Info("link", "round trip", rtt, "pages.img max read", impl.pagesRead, "parallel", impl.pagesParallel)
+		log.Info("link", "round trip", rtt, "pages.img max read", impl.pagesReadBytes, "parallel", impl.pagesParallel)
 	}
 
 	sock, err := unet.NewSocket(f.sockFD)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cryo-oci/cryo/puller/gofer"
+	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/sentry/state/stateipc"
 	"gvisor.dev/gvisor/pkg/unet"
 	"gvisor.dev/gvisor/pkg/urpc"
@@ -20,6 +21,7 @@ type farFiles struct {
 	rtt time.Duration
 }
 
+// LinkRoundTrip implements gofer.LinkReporter.
 func (f farFiles) LinkRoundTrip() time.Duration { return f.rtt }
 
 // TestReadSizeFollowsTheRoundTrip: over gVisor's own file protocol (the
@@ -82,7 +84,7 @@ func TestReadSizeFollowsTheRoundTrip(t *testing.T) {
 				if got := r.MaxReadBytes(); got != f.want {
 					t.Errorf("%s: the sentry is offered reads of %d bytes, want %d", f.path, got, f.want)
 				}
-				if got, want := r.MaxRanges(), int(f.want/4096); got != want {
+				if got, want := r.MaxRanges(), int(f.want)/unix.Getpagesize(); got != want {
 					t.Errorf("%s: %d ranges a read, want %d (one a page)", f.path, got, want)
 				}
 				if got := r.MaxParallel(); got != f.parallel {

@@ -42,21 +42,16 @@ const (
 // more of them at once. The sentry fixes the read size when it opens the
 // file (before any of it is fetched) and admits a page fault's reads only
 // as its reads in flight complete; over a far link each read completes
-// only once its bytes have crossed, 80 ms for 1 MiB at 100 Mbit/s. So
-// where the mount's round trip (gofer.LinkReporter) is farRoundTrip or
-// more, reads of pages.img are at most farReadBytes, the size of gVisor's
-// own reads of a local image, farParallel at a time: 8 MiB in flight,
-// against 16 MiB of 1 MiB reads. (16 reads of 256 KiB no longer kept a
-// 1 Gbit/s + 5 ms link full: a 1 GiB load took 10.1 s against 9.1 s.) On
-// loopback and a near registry 1 MiB reads load the whole image sooner on
-// the same cores: 256 KiB reads made a 1 GiB load on loopback 18% longer.
-// On 100 Mbit/s + 25 ms a 256 MiB app ran again after 1.2 s against 3.9 s
-// (medians, docs/benchmarks.md). The round trip is what a mount knows
-// before the sentry opens pages.img: its small files are a few fetches of
-// a few KiB, which say nothing of the link's rate. It is measured from
-// request to verified bytes, a registry's own time included: loopback on
-// a busy machine measured 2.3-4.8 ms, a link of 5 ms 7.5-13.7 ms. A slow
-// link with a short round trip is not told apart from a fast one.
+// only once its bytes have crossed (80 ms for 1 MiB at 100 Mbit/s), and
+// on the node's cores small reads cost more than large ones. So where
+// the mount's round trip (gofer.LinkReporter) is farRoundTrip or more,
+// reads of pages.img are at most farReadBytes (gVisor's own size for a
+// local image), farParallel at a time: 8 MiB in flight, enough to keep a
+// 1 Gbit/s link full. The round trip is what a mount knows by then (its
+// small files are a few fetches of a few KiB, which say nothing of the
+// link's rate); a slow link with a short round trip is not told apart.
+// docs/benchmarks.md, "The gofer's read size follows the round trip",
+// has the measurements behind each number.
 const (
 	farRoundTrip = 6 * time.Millisecond
 	farReadBytes = 256 << 10
@@ -90,10 +85,10 @@ type server struct {
 	sizes   map[string]int64
 	uploads *gofer.Client
 
-	// pagesRead and pagesParallel are the read size and parallelism
+	// pagesReadBytes and pagesParallel are the read size and parallelism
 	// offered for pages.img (pagesReads; 0: maxIOBytes, maxParallel).
-	pagesRead     uint64
-	pagesParallel int
+	pagesReadBytes uint64
+	pagesParallel  int
 
 	reads, faults, served, written atomic.Int64
 	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
@@ -109,7 +104,7 @@ func (s *server) sizeReads(src gofer.Source) time.Duration {
 	if lr, ok := src.(gofer.LinkReporter); ok {
 		rtt = lr.LinkRoundTrip()
 	}
-	s.pagesRead, s.pagesParallel = pagesReads(rtt)
+	s.pagesReadBytes, s.pagesParallel = pagesReads(rtt)
 	return rtt
 }
 
@@ -133,8 +128,8 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 		return nil, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 	}
 	maxRead, parallel := uint64(maxIOBytes), maxParallel
-	if path == "pages.img" && s.pagesRead > 0 {
-		maxRead, parallel = s.pagesRead, s.pagesParallel
+	if path == "pages.img" && s.pagesReadBytes > 0 {
+		maxRead, parallel = s.pagesReadBytes, s.pagesParallel
 	}
 	ctx, cancel := context.WithCancel(s.ctx)
 	r := &reader{s: s, path: path, size: size, maxRead: maxRead, parallel: parallel, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, parallel)}

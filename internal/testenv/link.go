@@ -90,6 +90,7 @@ func (p *Proxy) track(c net.Conn) {
 	p.conns[c] = struct{}{}
 }
 
+// untrack drops c, closed, from the connections Close closes.
 func (p *Proxy) untrack(c net.Conn) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -103,7 +104,8 @@ func (p *Proxy) accept() {
 		if err != nil {
 			return
 		}
-		u, err := net.Dial("tcp", p.upstream)
+		var d net.Dialer
+		u, err := d.DialContext(p.ctx, "tcp", p.upstream)
 		if err != nil {
 			c.Close()
 			continue
@@ -126,13 +128,19 @@ type segment struct {
 func (p *Proxy) pipe(dst, src net.Conn, lim *rate.Limiter, count *atomic.Int64) {
 	defer p.wg.Done()
 	q := make(chan segment, 1024)
+	stopped := make(chan struct{})
+	defer close(stopped)
 	go func() {
 		defer close(q)
 		for {
 			buf := make([]byte, 32<<10)
 			n, err := src.Read(buf)
 			if n > 0 {
-				q <- segment{buf[:n], time.Now().Add(p.link.RTT / 2)}
+				select {
+				case q <- segment{buf[:n], time.Now().Add(p.link.RTT / 2)}:
+				case <-stopped:
+					return
+				}
 			}
 			if err != nil {
 				return

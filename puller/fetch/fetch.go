@@ -839,15 +839,23 @@ func (s *Scheduler) PeakRate() float64 {
 	return s.link.peak
 }
 
-// RoundTrip is the shortest time one of the scheduler's fetches took,
-// from its request to its bytes verified, or 0 before any was measured:
-// an upper bound of the round trip to its endpoints, known after its
-// first fetch. Runs that never crossed the link (under 500 µs: a chunk
-// another mount had just fetched) are left out.
+// RoundTrip is the shortest time one of the scheduler's own requests to
+// its endpoints took, from the request to its bytes verified, or 0
+// before one succeeded: an upper bound of the round trip to its
+// endpoints, known after its first fetch. Fetches it followed (another
+// mount's), failed requests and peers' answers are left out.
 func (s *Scheduler) RoundTrip() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.link.shortest
+}
+
+// sawRequest records a request to an endpoint that succeeded after took
+// (link.sawRequest).
+func (s *Scheduler) sawRequest(took time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.link.sawRequest(took)
 }
 
 // Running reports whether the scheduler counts the sandbox as running
@@ -1458,6 +1466,7 @@ func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]b
 		}
 		ctx, cancel := context.WithTimeout(s.ctx, 60*time.Second)
 		start := calls[i].chunk.PackOffset
+		asked, first := time.Now(), i
 		rc, err := format.OpenRange(ctx, ep.Store, desc, start, end-start)
 		if err != nil {
 			cancel()
@@ -1490,6 +1499,9 @@ func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]b
 				flights[i].verify(data)
 			}
 			s.store(c, data, ends[i])
+		}
+		if i == len(calls) && i > first {
+			s.sawRequest(time.Since(asked))
 		}
 		rc.Close()
 		cancel()
@@ -1750,9 +1762,14 @@ func (s *Scheduler) fetched(c format.Chunk, ep Endpoint) {
 func (s *Scheduler) fetchFrom(ctx context.Context, ep Endpoint, cl *call) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
+	asked := time.Now()
 	frame, err := format.FetchFrame(ctx, ep.Store, cl.chunk, nil)
 	if err != nil {
 		return nil, err
 	}
-	return s.open(cl, frame)
+	data, err := s.open(cl, frame)
+	if err == nil {
+		s.sawRequest(time.Since(asked))
+	}
+	return data, err
 }

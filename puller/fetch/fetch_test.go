@@ -356,3 +356,39 @@ func TestCloseDoesNotFailAnotherMountsRead(t *testing.T) {
 		t.Fatalf("mount B's read: %d bytes, %v", len(res.data), res.err)
 	}
 }
+
+// TestRoundTripIsOwnRequests: a mount's round trip is measured on the
+// requests it made itself. Mount A fetches a chunk from an endpoint held
+// for 30 ms; mount B, asking for the same chunk meanwhile, follows A's
+// fetch and gets the bytes at once when it ends: B made no request and
+// measured nothing (counting its short wait would tell a far registry's
+// mount that it is near), and A measured at least the 30 ms its request
+// was held.
+func TestRoundTripIsOwnRequests(t *testing.T) {
+	c, codec := setup(t)
+	var inFlight Flights
+	data := randBytes(2, 64<<10)
+	d := digest.FromBytes(data)
+	ch := format.Chunk{Size: int64(len(data)), Encoding: format.EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}
+	held := newGate(blobs{d: data})
+	a := newScheduler(t, "far", held, c, codec, &inFlight)
+	b := newScheduler(t, "far too", held, c, codec, &inFlight)
+	readA := get(a, context.Background(), ch)
+	wait(t, held.entered, "mount A's fetch")
+	readB := get(b, context.Background(), ch)
+	waitStarted(t, b, ch)
+	const hold = 30 * time.Millisecond
+	time.Sleep(hold)
+	held.open()
+	for _, r := range []<-chan result{readA, readB} {
+		if res := wait(t, r, "a read"); res.err != nil || !bytes.Equal(res.data, data) {
+			t.Fatalf("read: %d bytes, %v", len(res.data), res.err)
+		}
+	}
+	if rt := a.RoundTrip(); rt < hold {
+		t.Errorf("mount A's round trip %v, want at least the %v its request was held", rt, hold)
+	}
+	if rt := b.RoundTrip(); rt != 0 {
+		t.Errorf("mount B, which followed A's fetch, measured a round trip of %v; want none", rt)
+	}
+}

@@ -21,9 +21,11 @@ type link struct {
 	// peak is the highest rate measured: what the link can carry, at
 	// least, whatever its fetches deliver now.
 	peak float64
-	// shortest is the shortest fetch of all: an upper bound of the round
-	// trip, known from a load's first fetch (the small files fetched
-	// before a mount is ready), long before rate is.
+	// shortest is the shortest of the scheduler's own requests to its
+	// endpoints that succeeded, from request to verified bytes
+	// (sawRequest): an upper bound of the round trip, known from a
+	// load's first fetch (the small files fetched before a mount is
+	// ready), long before rate is.
 	shortest time.Duration
 	// The window: bytes done and the shortest fetch since windowStart.
 	windowStart time.Time
@@ -45,9 +47,6 @@ func (l *link) done(n int64, took time.Duration, now time.Time) {
 	}
 	if l.minTook == 0 {
 		l.minTook = took
-	}
-	if l.shortest == 0 || took < l.shortest {
-		l.shortest = took
 	}
 	if l.windowMin == 0 || took < l.windowMin {
 		l.windowMin = took
@@ -72,6 +71,16 @@ func (l *link) done(n int64, took time.Duration, now time.Time) {
 		l.peak = max(l.peak, l.rate)
 		l.minTook = l.windowMin
 		l.windowStart, l.windowBytes, l.windowMin = now, 0, 0
+	}
+}
+
+// sawRequest records a request to an endpoint that took took, from its
+// start to its bytes verified. Only requests the scheduler made itself
+// and that succeeded count: a fetch another mount made, which this one
+// followed, or a failure says nothing of the round trip.
+func (l *link) sawRequest(took time.Duration) {
+	if took > 0 && (l.shortest == 0 || took < l.shortest) {
+		l.shortest = took
 	}
 }
 

@@ -57,9 +57,10 @@ const (
 const MaxRange = 16 << 20
 
 // MaxRequestsPerMount bounds the GETs of one mount served at once (a
-// gofer makes at most 32); more wait for a turn. With MaxRange it bounds the
+// gofer makes at most 48: 32 of pages.img, 16 of another file); more
+// wait for a turn. With MaxRange it bounds the
 // memory one mount's readers can make the server hold.
-const MaxRequestsPerMount = 32
+const MaxRequestsPerMount = 48
 
 // Files is a mounted snapshot's files as a presenter reads them
 // (puller.Mount implements it).
