@@ -27,8 +27,7 @@ func TestGoferMountSaysItsRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A pages_meta.img of 4 MiB of random bytes: held in memory, fetched
-	// before the mount is ready, in fetches too large to be a cache hit's
-	// (under 500 µs).
+	// from the registry before the mount is ready.
 	meta := make([]byte, 4<<20)
 	rand.Read(meta)
 	if err := os.WriteFile(filepath.Join(dir, format.PagesMetaFile), meta, 0o600); err != nil {

@@ -361,8 +361,9 @@ func TestCloseDoesNotFailAnotherMountsRead(t *testing.T) {
 // requests it made itself. Mount A fetches a chunk from an endpoint held
 // for 30 ms; mount B, asking for the same chunk meanwhile, follows A's
 // fetch and gets the bytes at once when it ends: B made no request and
-// measured nothing (counting its short wait would tell a far registry's
-// mount that it is near), and A measured at least the 30 ms its request
+// measured nothing (counting its wait, however long, would say nothing of
+// the link: joined late, it tells a far registry's mount that it is
+// near), and A measured at least the 30 ms its request
 // was held.
 func TestRoundTripIsOwnRequests(t *testing.T) {
 	c, codec := setup(t)

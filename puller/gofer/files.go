@@ -84,8 +84,9 @@ type Placer interface {
 
 // LinkReporter is implemented by Files and Sources that know how near
 // the snapshot's registry is (puller.Mount does): LinkRoundTrip is the
-// shortest time one of the mount's fetches took, an upper bound of the
-// round trip (fetch.Scheduler.RoundTrip); 0 before any was measured.
+// shortest time one of the mount's own requests for chunks took, an upper
+// bound of the round trip (fetch.Scheduler.RoundTrip); 0 before any was
+// measured.
 type LinkReporter interface {
 	LinkRoundTrip() time.Duration
 }
