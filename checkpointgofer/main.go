@@ -187,8 +187,9 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		impl.src, impl.allowReads = src, true
-		rtt := impl.sizeReads(src)
-		log.Info("link", "round trip", rtt, "pages.img max read", impl.pagesReadBytes, "parallel", impl.pagesParallel)
+		impl.sizeReads(src)
+		maxRead, parallel := pagesReads(impl.rtt)
+		log.Info("link", "round trip", impl.rtt, "pages.img max read", maxRead, "parallel", parallel)
 	}
 
 	sock, err := unet.NewSocket(f.sockFD)

@@ -85,10 +85,9 @@ type server struct {
 	sizes   map[string]int64
 	uploads *gofer.Client
 
-	// pagesReadBytes and pagesParallel are the read size and parallelism
-	// offered for pages.img (pagesReads; 0: maxIOBytes, maxParallel).
-	pagesReadBytes uint64
-	pagesParallel  int
+	// rtt is the round trip the source measured (sizeReads), which sizes
+	// the reads of pages.img (pagesReads).
+	rtt time.Duration
 
 	reads, faults, served, written atomic.Int64
 	// noPopulate is set once the kernel refused MADV_POPULATE_WRITE.
@@ -97,15 +96,12 @@ type server struct {
 	bufs *bufPool
 }
 
-// sizeReads sets the reads of pages.img from the round trip src says
-// (pagesReads) and returns that round trip (0: src says none).
-func (s *server) sizeReads(src gofer.Source) time.Duration {
-	var rtt time.Duration
+// sizeReads takes the round trip src says (0: none) for the reads of
+// pages.img (pagesReads).
+func (s *server) sizeReads(src gofer.Source) {
 	if lr, ok := src.(gofer.LinkReporter); ok {
-		rtt = lr.LinkRoundTrip()
+		s.rtt = lr.LinkRoundTrip()
 	}
-	s.pagesReadBytes, s.pagesParallel = pagesReads(rtt)
-	return rtt
 }
 
 // Destroy implements stateipc.AsyncFileServerImpl.Destroy.
@@ -128,8 +124,8 @@ func (s *server) OpenRead(path string) (stateio.AsyncReader, error) {
 		return nil, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 	}
 	maxRead, parallel := uint64(maxIOBytes), maxParallel
-	if path == "pages.img" && s.pagesReadBytes > 0 {
-		maxRead, parallel = s.pagesReadBytes, s.pagesParallel
+	if path == "pages.img" {
+		maxRead, parallel = pagesReads(s.rtt)
 	}
 	ctx, cancel := context.WithCancel(s.ctx)
 	r := &reader{s: s, path: path, size: size, maxRead: maxRead, parallel: parallel, ctx: ctx, cancel: cancel, done: make(chan stateio.Completion, parallel)}

@@ -1466,7 +1466,7 @@ func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]b
 		}
 		ctx, cancel := context.WithTimeout(s.ctx, 60*time.Second)
 		start := calls[i].chunk.PackOffset
-		asked, first := time.Now(), i
+		asked := time.Now()
 		rc, err := format.OpenRange(ctx, ep.Store, desc, start, end-start)
 		if err != nil {
 			cancel()
@@ -1500,7 +1500,7 @@ func (s *Scheduler) fetchRange(calls []*call, flights []*flight, ends []func([]b
 			}
 			s.store(c, data, ends[i])
 		}
-		if i == len(calls) && i > first {
+		if i == len(calls) { // every frame asked of ep verified
 			s.sawRequest(time.Since(asked))
 		}
 		rc.Close()

@@ -368,10 +368,9 @@ func TestCloseDoesNotFailAnotherMountsRead(t *testing.T) {
 func TestRoundTripIsOwnRequests(t *testing.T) {
 	c, codec := setup(t)
 	var inFlight Flights
-	data := randBytes(2, 64<<10)
-	d := digest.FromBytes(data)
-	ch := format.Chunk{Size: int64(len(data)), Encoding: format.EncodingRaw, Digest: d, Blob: d, BlobSize: int64(len(data))}
-	held := newGate(blobs{d: data})
+	chs, stored := rawChunks(2, 1, 64<<10)
+	ch, data := chs[0], stored[chs[0].Digest]
+	held := newGate(stored)
 	a := newScheduler(t, "far", held, c, codec, &inFlight)
 	b := newScheduler(t, "far too", held, c, codec, &inFlight)
 	readA := get(a, context.Background(), ch)
